@@ -1,0 +1,103 @@
+// The attention calls. docs/semantics.md is the contract: shapes, broadcast rules, causal
+// alignment, softcap, fully masked rows and how each gradient reduces.
+//
+// Shapes (B batch, Sq query length, Sk key length, H query heads, Hk key/value heads, D head dim):
+//   q, out, dout, dq        (B, Sq, H, D)    fp16 or bf16
+//   k, v, dk, dv            (B, Sk, Hk, D)   same dtype as q
+//   lse                     (B, H, Sq)       fp32, natural log
+//   mask (optional)         (B|1, H|Hk|1, Sq|1, Sk|1)  bool
+//   bias (optional), dbias  (B|1, H|Hk|1, Sq|1, Sk|1)  q's dtype or fp32; dbias has bias's shape and dtype
+// Every view may have any non-negative int64 strides as long as its last dimension is contiguous
+// (stride 1, or size 1). A size-1 mask or bias dimension is read through a zero stride, never expanded.
+//
+// Every call validates all of its arguments before any work starts; a failed check returns
+// StatusCode::invalid_argument naming the argument, the expected and the actual value.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flash_dmattn/status.h"
+#include "flash_dmattn/tensor.h"
+
+namespace flash_dmattn {
+
+// Which implementation runs a call. `automatic` takes the fastest one that supports the call on
+// the tensors' device; naming one forces it (an error if it cannot run the call).
+enum class Backend : int {
+  automatic,
+  cpu_reference,  // the fp64 CPU reference (src/reference/); CPU tensors
+  cuda_sm80,      // mma.sync kernels, sm_80 and newer; CUDA tensors
+  cuda_sm90,      // wgmma/TMA kernels, sm_90a; CUDA tensors
+};
+
+const char* backend_name(Backend backend);
+
+// Scratch memory the caller allocates on the tensors' device, at least the size that
+// *_workspace_size reports and aligned to kWorkspaceAlignment bytes. The library allocates nothing.
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+inline constexpr std::size_t kWorkspaceAlignment = 256;
+
+struct AttentionOptions {
+  std::optional<double> softmax_scale;  // default: 1/sqrt(D); must be finite and > 0
+  bool causal = false;                  // bottom-right aligned: key j is visible from row i iff j <= i + Sk - Sq
+  double softcap = 0.0;                 // > 0: logits become softcap * tanh(logits / softcap), before the bias
+  Backend backend = Backend::automatic;
+  void* stream = nullptr;  // a cudaStream_t for CUDA tensors; every launch goes on it. Ignored on the CPU.
+};
+
+struct ForwardArgs {
+  TensorView q, k, v;
+  std::optional<TensorView> mask;
+  std::optional<TensorView> bias;
+  TensorView out;  // written
+  TensorView lse;  // written
+  AttentionOptions options;
+  Workspace workspace;
+};
+
+struct BackwardArgs {
+  TensorView q, k, v;
+  std::optional<TensorView> mask;
+  std::optional<TensorView> bias;
+  TensorView out;   // the forward's output
+  TensorView lse;   // the forward's log-sum-exp
+  TensorView dout;  // gradient of the loss with respect to out
+  TensorView dq, dk, dv;            // written
+  std::optional<TensorView> dbias;  // written when given; requires a bias
+  AttentionOptions options;
+  bool deterministic = false;  // bitwise-equal results on reruns with the same inputs
+  Workspace workspace;
+};
+
+// What would run a call, without running it.
+struct Capability {
+  Backend backend = Backend::automatic;  // the backend that would run the call
+  int arch = 0;                          // compute capability as 10*major+minor (90 for H100); 0 on the CPU
+  std::string description;               // e.g. "cpu_reference: fp64 CPU reference, 2 threads"
+};
+
+Status query_forward(const ForwardArgs& args, Capability* capability);
+Status query_backward(const BackwardArgs& args, Capability* capability);
+
+Status forward_workspace_size(const ForwardArgs& args, std::size_t* bytes);
+Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes);
+
+// Runs the forward: writes out and lse. Asynchronous on the stream for CUDA tensors.
+Status forward(const ForwardArgs& args);
+// Runs the backward: writes dq, dk, dv and, when given, dbias.
+Status backward(const BackwardArgs& args);
+
+// The backends compiled into this library that can run on this machine now, best first.
+std::vector<Backend> available_backends();
+
+// "0.1.0"
+const char* version();
+
+}  // namespace flash_dmattn

@@ -1,0 +1,38 @@
+// What a backend provides to the dispatcher. The CPU reference is always compiled in; the CUDA
+// backends register themselves in backend_registry.cpp when the library is built with CUDA.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flash_dmattn/attention.h"
+#include "problem.h"
+
+namespace flash_dmattn {
+
+class BackendImpl {
+ public:
+  virtual ~BackendImpl() = default;
+
+  virtual Backend id() const = 0;
+  // Why this backend cannot run a validated problem, or nullopt when it can.
+  virtual std::optional<std::string> cannot_run(const Problem& problem) const = 0;
+  // Compute capability the problem's device would run at (0 for the CPU).
+  virtual int arch(const Problem& problem) const = 0;
+  virtual std::string describe(const Problem& problem) const = 0;
+
+  virtual std::size_t forward_workspace_size(const Problem& problem) const = 0;
+  virtual std::size_t backward_workspace_size(const Problem& problem) const = 0;
+  // Both run on validated arguments with a workspace of at least the reported size.
+  virtual Status forward(const ForwardArgs& args, const Problem& problem) const = 0;
+  virtual Status backward(const BackwardArgs& args, const Problem& problem) const = 0;
+};
+
+// Every backend compiled in, best first.
+const std::vector<const BackendImpl*>& compiled_backends();
+
+const BackendImpl& cpu_reference_backend();
+
+}  // namespace flash_dmattn

@@ -1,0 +1,12 @@
+#include "backend.h"
+
+namespace flash_dmattn {
+
+const std::vector<const BackendImpl*>& compiled_backends() {
+  static const std::vector<const BackendImpl*> backends = {
+      &cpu_reference_backend(),
+  };
+  return backends;
+}
+
+}  // namespace flash_dmattn

@@ -1,0 +1,32 @@
+// The sizes and options of one validated call, derived once from the argument views so that
+// backends never re-read shapes from them.
+#pragma once
+
+#include <cstdint>
+
+#include "flash_dmattn/tensor.h"
+
+namespace flash_dmattn {
+
+struct Problem {
+  std::int64_t batch = 0;     // B
+  std::int64_t seqlen_q = 0;  // Sq
+  std::int64_t seqlen_k = 0;  // Sk
+  std::int64_t heads = 0;     // H
+  std::int64_t kv_heads = 0;  // Hk, divides H
+  std::int64_t head_dim = 0;  // D
+  DType dtype = DType::float16;
+  Device device{};
+  bool has_mask = false;
+  bool has_bias = false;
+  bool has_dbias = false;  // backward only
+  double scale = 0.0;      // resolved: the default 1/sqrt(D) already applied
+  bool causal = false;
+  double softcap = 0.0;
+  bool deterministic = false;  // backward only
+
+  std::int64_t group_size() const { return heads / kv_heads; }  // query heads per KV head
+  bool empty() const { return batch == 0 || seqlen_q == 0 || heads == 0; }
+};
+
+}  // namespace flash_dmattn

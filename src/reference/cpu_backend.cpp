@@ -1,0 +1,90 @@
+// The CPU backend of the public API: the fp64 reference, with results rounded once into the
+// caller's output dtypes. It recomputes the forward inside the backward, so it reads the shapes
+// of `out` and `lse` but not their values.
+#include <string>
+
+#include "../backend.h"
+#include "../host_numeric.h"
+#include "../parallel.h"
+#include "reference.h"
+
+namespace flash_dmattn {
+namespace {
+
+reference::Inputs reference_inputs(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const std::optional<TensorView>& mask, const std::optional<TensorView>& bias,
+                                   const Problem& p) {
+  reference::Inputs in;
+  in.q = q;
+  in.k = k;
+  in.v = v;
+  in.mask = mask ? &*mask : nullptr;
+  in.bias = bias ? &*bias : nullptr;
+  in.scale = p.scale;
+  in.causal = p.causal;
+  in.softcap = p.softcap;
+  return in;
+}
+
+// Writes a contiguous buffer of the view's shape into the (strided) view.
+void store_all(const TensorView& view, const std::vector<double>& values) {
+  std::int64_t shape[kMaxRank] = {1, 1, 1, 1};
+  std::int64_t stride[kMaxRank] = {0, 0, 0, 0};
+  const int pad = kMaxRank - view.rank;
+  for (int d = 0; d < view.rank; ++d) {
+    shape[pad + d] = view.shape[d];
+    stride[pad + d] = view.stride[d];
+  }
+  std::int64_t e = 0;
+  for (std::int64_t a = 0; a < shape[0]; ++a)
+    for (std::int64_t b = 0; b < shape[1]; ++b)
+      for (std::int64_t c = 0; c < shape[2]; ++c)
+        for (std::int64_t d = 0; d < shape[3]; ++d)
+          host::store(view, a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3], values[e++]);
+}
+
+class CpuReferenceBackend final : public BackendImpl {
+ public:
+  Backend id() const override { return Backend::cpu_reference; }
+
+  std::optional<std::string> cannot_run(const Problem& p) const override {
+    if (p.device.type != DeviceType::cpu) return "runs on CPU tensors, got tensors on " + device_name(p.device);
+    return std::nullopt;
+  }
+
+  int arch(const Problem&) const override { return 0; }
+
+  std::string describe(const Problem& p) const override {
+    return "cpu_reference: fp64 CPU reference, " + std::to_string(host::worker_count(p.batch * p.heads, 4.0 * p.batch * p.heads * p.seqlen_q * p.seqlen_k * p.head_dim)) + " threads";
+  }
+
+  std::size_t forward_workspace_size(const Problem&) const override { return 0; }
+  std::size_t backward_workspace_size(const Problem&) const override { return 0; }
+
+  Status forward(const ForwardArgs& a, const Problem& p) const override {
+    if (p.empty()) return Status::success();
+    const reference::ForwardResult r = reference::forward(reference_inputs(a.q, a.k, a.v, a.mask, a.bias, p));
+    store_all(a.out, r.out);
+    store_all(a.lse, r.lse);
+    return Status::success();
+  }
+
+  Status backward(const BackwardArgs& a, const Problem& p) const override {
+    const reference::Gradients g =
+        reference::backward(reference_inputs(a.q, a.k, a.v, a.mask, a.bias, p), a.dout);
+    store_all(a.dq, g.dq);
+    store_all(a.dk, g.dk);
+    store_all(a.dv, g.dv);
+    if (a.dbias) store_all(*a.dbias, g.dbias);
+    return Status::success();
+  }
+};
+
+}  // namespace
+
+const BackendImpl& cpu_reference_backend() {
+  static const CpuReferenceBackend backend;
+  return backend;
+}
+
+}  // namespace flash_dmattn

@@ -1,0 +1,41 @@
+// The fp64 CPU reference: the test oracle for every kernel and the CPU backend of the public API.
+//
+// It follows docs/semantics.md literally, one query row at a time, accumulating in double, and
+// reads mask and bias through its own broadcast indexing (no code shared with the kernels).
+// Inputs are strided views of any dtype, fp64 included; validation is the caller's job.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flash_dmattn/tensor.h"
+
+namespace flash_dmattn::reference {
+
+struct Inputs {
+  TensorView q;                      // (B, Sq, H, D)
+  TensorView k, v;                   // (B, Sk, Hk, D)
+  const TensorView* mask = nullptr;  // (B|1, H|Hk|1, Sq|1, Sk|1), nonzero keeps a key
+  const TensorView* bias = nullptr;  // same broadcast shapes
+  double scale = 1.0;
+  bool causal = false;
+  double softcap = 0.0;
+};
+
+struct ForwardResult {
+  std::vector<double> out;  // (B, Sq, H, D), contiguous
+  std::vector<double> lse;  // (B, H, Sq), contiguous; +inf for a row with no visible key
+};
+
+struct Gradients {
+  std::vector<double> dq;     // (B, Sq, H, D), contiguous
+  std::vector<double> dk;     // (B, Sk, Hk, D), contiguous
+  std::vector<double> dv;     // (B, Sk, Hk, D), contiguous
+  std::vector<double> dbias;  // the bias's own shape, contiguous; empty without a bias
+};
+
+ForwardResult forward(const Inputs& inputs);
+// Gradients of the loss L = sum(dout * out), recomputing the forward in fp64.
+Gradients backward(const Inputs& inputs, const TensorView& dout);
+
+}  // namespace flash_dmattn::reference

@@ -1,0 +1,343 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace flash_dmattn {
+namespace {
+
+// Returns early from the enclosing function when a check fails.
+#define FDMA_CHECK_OK(expr)              \
+  do {                                   \
+    Status status_ = (expr);             \
+    if (!status_.ok()) return status_;   \
+  } while (false)
+
+template <typename... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
+}
+
+// "flash_dmattn.forward: argument 'k': expected ..., got ..."
+class Checker {
+ public:
+  explicit Checker(const char* call) : call_(call) {}
+
+  template <typename... Parts>
+  Status fail(const char* argument, const Parts&... parts) const {
+    return Status::error(StatusCode::invalid_argument,
+                         concat("flash_dmattn.", call_, ": argument '", argument, "': ", parts...));
+  }
+
+ private:
+  const char* call_;
+};
+
+struct Named {
+  const char* name;
+  const TensorView* view;  // nullptr when the optional argument is absent
+};
+
+bool multiply_overflows(std::int64_t a, std::int64_t b, std::int64_t* out) {
+  return __builtin_mul_overflow(a, b, out);
+}
+bool add_overflows(std::int64_t a, std::int64_t b, std::int64_t* out) { return __builtin_add_overflow(a, b, out); }
+
+// Structure of one view on its own: rank, non-negative sizes and strides, contiguous last dim,
+// a pointer for non-empty views, and byte offsets that fit in int64.
+Status check_view(const Checker& c, const Named& t, int rank, const char* layout) {
+  const TensorView& v = *t.view;
+  if (v.rank != rank) {
+    return c.fail(t.name, "expected rank ", rank, " ", layout, ", got rank ", v.rank, " with shape ",
+                  v.shape_string());
+  }
+  for (int d = 0; d < rank; ++d) {
+    if (v.shape[d] < 0) return c.fail(t.name, "expected non-negative sizes, got shape ", v.shape_string());
+    if (v.stride[d] < 0) return c.fail(t.name, "expected non-negative strides, got strides ", v.stride_string());
+  }
+  if (v.shape[rank - 1] > 1 && v.stride[rank - 1] != 1) {
+    return c.fail(t.name, "expected a contiguous last dimension (stride 1), got strides ", v.stride_string(),
+                  " for shape ", v.shape_string());
+  }
+  std::int64_t numel = 1;
+  for (int d = 0; d < rank; ++d) {
+    if (multiply_overflows(numel, v.shape[d], &numel)) {
+      return c.fail(t.name, "expected an element count that fits in int64, got shape ", v.shape_string());
+    }
+  }
+  if (numel == 0) return Status::success();
+  if (v.data == nullptr) return c.fail(t.name, "expected a non-null pointer for shape ", v.shape_string(), ", got null");
+  std::int64_t last = 0;
+  for (int d = 0; d < rank; ++d) {
+    std::int64_t term = 0;
+    if (multiply_overflows(v.shape[d] - 1, v.stride[d], &term) || add_overflows(last, term, &last)) {
+      return c.fail(t.name, "expected element offsets that fit in int64, got shape ", v.shape_string(),
+                    " with strides ", v.stride_string());
+    }
+  }
+  std::int64_t bytes = 0;
+  if (add_overflows(last, 1, &bytes) ||
+      multiply_overflows(bytes, static_cast<std::int64_t>(dtype_size(v.dtype)), &bytes)) {
+    return c.fail(t.name, "expected byte offsets that fit in int64, got shape ", v.shape_string(), " with strides ",
+                  v.stride_string());
+  }
+  return Status::success();
+}
+
+Status check_dtype(const Checker& c, const Named& t, DType expected, const char* why) {
+  if (t.view->dtype != expected) {
+    return c.fail(t.name, "expected dtype ", dtype_name(expected), " (", why, "), got ", dtype_name(t.view->dtype));
+  }
+  return Status::success();
+}
+
+Status check_shape(const Checker& c, const Named& t, std::initializer_list<std::int64_t> expected,
+                   const char* layout) {
+  int d = 0;
+  for (std::int64_t e : expected) {
+    if (t.view->shape[d] != e) {
+      std::ostringstream want;
+      want << '(';
+      int i = 0;
+      for (std::int64_t x : expected) want << (i++ ? ", " : "") << x;
+      want << ')';
+      return c.fail(t.name, "expected shape ", want.str(), " ", layout, ", got ", t.view->shape_string());
+    }
+    ++d;
+  }
+  return Status::success();
+}
+
+// A mask or bias: each dimension is 1 or full; heads are 1, Hk or H.
+Status check_broadcast_operand(const Checker& c, const Named& t, const Problem& p) {
+  const TensorView& v = *t.view;
+  const char* dim_names[4] = {"batch", "heads", "query", "key"};
+  const std::int64_t full[4] = {p.batch, p.heads, p.seqlen_q, p.seqlen_k};
+  for (int d = 0; d < 4; ++d) {
+    if (d == 1) {
+      if (v.shape[1] != 1 && v.shape[1] != p.kv_heads && v.shape[1] != p.heads) {
+        return c.fail(t.name, "expected heads (dim 1) in {1, Hk=", p.kv_heads, ", H=", p.heads, "}, got ",
+                      v.shape[1], " in shape ", v.shape_string());
+      }
+      continue;
+    }
+    if (v.shape[d] != 1 && v.shape[d] != full[d]) {
+      return c.fail(t.name, "expected ", dim_names[d], " size (dim ", d, ") 1 or ", full[d], ", got ", v.shape[d],
+                    " in shape ", v.shape_string());
+    }
+  }
+  return Status::success();
+}
+
+Status check_same_device(const Checker& c, const std::vector<Named>& views) {
+  const Device device = views.front().view->device;
+  for (const Named& t : views) {
+    if (t.view && t.view->device != device) {
+      return c.fail(t.name, "expected device ", device_name(device), " (the device of '", views.front().name,
+                    "'), got ", device_name(t.view->device));
+    }
+  }
+  return Status::success();
+}
+
+Status resolve_options(const Checker& c, const AttentionOptions& o, Problem* p) {
+  if (o.softmax_scale) {
+    const double s = *o.softmax_scale;
+    if (!std::isfinite(s) || s <= 0.0) return c.fail("softmax_scale", "expected a finite value > 0, got ", s);
+    p->scale = s;
+  } else {
+    p->scale = 1.0 / std::sqrt(static_cast<double>(p->head_dim));
+  }
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
+    return c.fail("softcap", "expected a finite value >= 0 (0 disables it), got ", o.softcap);
+  }
+  p->causal = o.causal;
+  p->softcap = o.softcap;
+  return Status::success();
+}
+
+// [first, last) bytes a view can touch.
+std::pair<std::uintptr_t, std::uintptr_t> byte_range(const TensorView& v) {
+  std::int64_t last = 0;
+  for (int d = 0; d < v.rank; ++d) last += (v.shape[d] - 1) * v.stride[d];
+  const auto first = reinterpret_cast<std::uintptr_t>(v.data);
+  return {first, first + static_cast<std::uintptr_t>(last + 1) * dtype_size(v.dtype)};
+}
+
+// An output whose elements alias each other (a zero stride on a dimension of size > 1, say) would
+// be written by several threads at once. Sufficient test: ordered by stride, each stride steps
+// past everything the smaller dimensions span.
+bool has_internal_overlap(const TensorView& v) {
+  std::vector<int> dims;
+  for (int d = 0; d < v.rank; ++d)
+    if (v.shape[d] > 1) dims.push_back(d);
+  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return v.stride[a] < v.stride[b]; });
+  std::int64_t span = 1;  // elements covered by the dimensions visited so far
+  for (int d : dims) {
+    if (v.stride[d] < span) return true;
+    span = v.stride[d] * (v.shape[d] - 1) + span;
+  }
+  return false;
+}
+
+// Outputs must not alias each other or any input. Compares byte ranges, which is conservative:
+// outputs interleaved in one buffer (a packed dqkv) are reported as overlapping.
+Status check_no_overlap(const Checker& c, const std::vector<Named>& inputs, const std::vector<Named>& outputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Named& o = outputs[i];
+    if (!o.view || o.view->numel() == 0) continue;
+    if (has_internal_overlap(*o.view)) {
+      return c.fail(o.name, "expected an output whose elements do not alias each other, got shape ",
+                    o.view->shape_string(), " with strides ", o.view->stride_string());
+    }
+    const auto [lo, hi] = byte_range(*o.view);
+    auto overlaps = [&](const Named& other) {
+      if (!other.view || other.view->numel() == 0) return false;
+      const auto [olo, ohi] = byte_range(*other.view);
+      return lo < ohi && olo < hi;
+    };
+    for (const Named& in : inputs) {
+      if (overlaps(in)) return c.fail(o.name, "expected memory disjoint from input '", in.name, "', got overlapping memory");
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (overlaps(outputs[j])) {
+        return c.fail(o.name, "expected memory disjoint from output '", outputs[j].name, "', got overlapping memory");
+      }
+    }
+  }
+  return Status::success();
+}
+
+const char* kQLayout = "(B, Sq, H, D)";
+const char* kKLayout = "(B, Sk, Hk, D)";
+const char* kLseLayout = "(B, H, Sq)";
+const char* kMaskLayout = "(B|1, H|Hk|1, Sq|1, Sk|1)";
+
+// Checks shared by forward and backward: q, k, v, mask, bias and the options; fills the problem.
+Status check_operands(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const std::optional<TensorView>& mask, const std::optional<TensorView>& bias,
+                      const AttentionOptions& options, Problem* p) {
+  const Named nq{"q", &q}, nk{"k", &k}, nv{"v", &v};
+  FDMA_CHECK_OK(check_view(c, nq, 4, kQLayout));
+  FDMA_CHECK_OK(check_view(c, nk, 4, kKLayout));
+  FDMA_CHECK_OK(check_view(c, nv, 4, kKLayout));
+  if (q.dtype != DType::float16 && q.dtype != DType::bfloat16) {
+    return c.fail("q", "expected dtype float16 or bfloat16, got ", dtype_name(q.dtype));
+  }
+  FDMA_CHECK_OK(check_dtype(c, nk, q.dtype, "the dtype of q"));
+  FDMA_CHECK_OK(check_dtype(c, nv, q.dtype, "the dtype of q"));
+
+  p->batch = q.shape[0];
+  p->seqlen_q = q.shape[1];
+  p->heads = q.shape[2];
+  p->head_dim = q.shape[3];
+  p->seqlen_k = k.shape[1];
+  p->kv_heads = k.shape[2];
+  p->dtype = q.dtype;
+  p->device = q.device;
+
+  if (p->heads < 1) return c.fail("q", "expected at least one head (dim 2), got shape ", q.shape_string());
+  if (p->head_dim < kHeadDimMultiple || p->head_dim > kMaxHeadDim || p->head_dim % kHeadDimMultiple != 0) {
+    return c.fail("q", "expected head dim (dim 3) a multiple of ", kHeadDimMultiple, " in [", kHeadDimMultiple, ", ",
+                  kMaxHeadDim, "], got ", p->head_dim, " (pad the head dim; the Python front does)");
+  }
+  if (k.shape[0] != p->batch || k.shape[3] != p->head_dim) {
+    return c.fail("k", "expected shape (B=", p->batch, ", Sk, Hk, D=", p->head_dim, ") ", kKLayout, ", got ",
+                  k.shape_string());
+  }
+  if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim 2), got shape ", k.shape_string());
+  if (p->heads % p->kv_heads != 0) {
+    return c.fail("k", "expected a head count (dim 2) that divides q's H=", p->heads, ", got Hk=", p->kv_heads);
+  }
+  FDMA_CHECK_OK(check_shape(c, nv, {p->batch, p->seqlen_k, p->kv_heads, p->head_dim}, "(the shape of k)"));
+
+  if (mask) {
+    const Named nm{"mask", &*mask};
+    FDMA_CHECK_OK(check_view(c, nm, 4, kMaskLayout));
+    FDMA_CHECK_OK(check_dtype(c, nm, DType::boolean, "True keeps a key"));
+    FDMA_CHECK_OK(check_broadcast_operand(c, nm, *p));
+    p->has_mask = true;
+  }
+  if (bias) {
+    const Named nb{"bias", &*bias};
+    FDMA_CHECK_OK(check_view(c, nb, 4, kMaskLayout));
+    if (bias->dtype != q.dtype && bias->dtype != DType::float32) {
+      return c.fail("bias", "expected dtype ", dtype_name(q.dtype), " (the dtype of q) or float32, got ",
+                    dtype_name(bias->dtype));
+    }
+    FDMA_CHECK_OK(check_broadcast_operand(c, nb, *p));
+    p->has_bias = true;
+  }
+  return resolve_options(c, options, p);
+}
+
+}  // namespace
+
+Status validate_forward(const ForwardArgs& a, Problem* p) {
+  const Checker c("forward");
+  *p = Problem{};
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.bias, a.options, p));
+  const Named out{"out", &a.out}, lse{"lse", &a.lse};
+  FDMA_CHECK_OK(check_view(c, out, 4, kQLayout));
+  FDMA_CHECK_OK(check_dtype(c, out, p->dtype, "the dtype of q"));
+  FDMA_CHECK_OK(check_shape(c, out, {p->batch, p->seqlen_q, p->heads, p->head_dim}, "(the shape of q)"));
+  FDMA_CHECK_OK(check_view(c, lse, 3, kLseLayout));
+  FDMA_CHECK_OK(check_dtype(c, lse, DType::float32, "the log-sum-exp is fp32"));
+  FDMA_CHECK_OK(check_shape(c, lse, {p->batch, p->heads, p->seqlen_q}, kLseLayout));
+
+  const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
+  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, bias};
+  const std::vector<Named> outputs = {out, lse};
+  std::vector<Named> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  FDMA_CHECK_OK(check_same_device(c, all));
+  return check_no_overlap(c, inputs, outputs);
+}
+
+Status validate_backward(const BackwardArgs& a, Problem* p) {
+  const Checker c("backward");
+  *p = Problem{};
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.bias, a.options, p));
+  p->deterministic = a.deterministic;
+  const Named out{"out", &a.out}, lse{"lse", &a.lse}, dout{"dout", &a.dout};
+  const Named dq{"dq", &a.dq}, dk{"dk", &a.dk}, dv{"dv", &a.dv};
+  for (const Named& t : {out, dout, dq}) {
+    FDMA_CHECK_OK(check_view(c, t, 4, kQLayout));
+    FDMA_CHECK_OK(check_dtype(c, t, p->dtype, "the dtype of q"));
+    FDMA_CHECK_OK(check_shape(c, t, {p->batch, p->seqlen_q, p->heads, p->head_dim}, "(the shape of q)"));
+  }
+  for (const Named& t : {dk, dv}) {
+    FDMA_CHECK_OK(check_view(c, t, 4, kKLayout));
+    FDMA_CHECK_OK(check_dtype(c, t, p->dtype, "the dtype of q"));
+    FDMA_CHECK_OK(check_shape(c, t, {p->batch, p->seqlen_k, p->kv_heads, p->head_dim}, "(the shape of k)"));
+  }
+  FDMA_CHECK_OK(check_view(c, lse, 3, kLseLayout));
+  FDMA_CHECK_OK(check_dtype(c, lse, DType::float32, "the log-sum-exp is fp32"));
+  FDMA_CHECK_OK(check_shape(c, lse, {p->batch, p->heads, p->seqlen_q}, kLseLayout));
+
+  const Named dbias{"dbias", a.dbias ? &*a.dbias : nullptr};
+  if (a.dbias) {
+    if (!a.bias) return c.fail("dbias", "expected no dbias when no bias is given, got shape ", a.dbias->shape_string());
+    FDMA_CHECK_OK(check_view(c, dbias, 4, "(the shape of bias)"));
+    FDMA_CHECK_OK(check_dtype(c, dbias, a.bias->dtype, "the dtype of bias"));
+    const TensorView& b = *a.bias;
+    FDMA_CHECK_OK(check_shape(c, dbias, {b.shape[0], b.shape[1], b.shape[2], b.shape[3]}, "(the shape of bias)"));
+    p->has_dbias = true;
+  }
+
+  const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
+  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, bias, out, lse, dout};
+  const std::vector<Named> outputs = {dq, dk, dv, dbias};
+  std::vector<Named> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  FDMA_CHECK_OK(check_same_device(c, all));
+  return check_no_overlap(c, inputs, outputs);
+}
+
+}  // namespace flash_dmattn

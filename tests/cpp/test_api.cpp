@@ -1,0 +1,215 @@
+// The public API on CPU tensors: dispatch, rounding of results into the caller's dtypes,
+// strided outputs, empty sizes, and the queries.
+#include <cmath>
+#include <limits>
+
+#include "reference_problem.h"
+
+namespace flash_dmattn::test {
+namespace {
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// A bf16/fp16 problem with owning tensors and the matching public-API arguments.
+struct ApiProblem {
+  RefProblem in;
+  HostTensor out, lse, dq, dk, dv, dbias;
+
+  ApiProblem(const Sizes& n, DType dtype, DType bias_dtype, std::mt19937_64& rng, std::int64_t out_row_pad = 0) {
+    in = RefProblem::random(n, rng, OperandShape{true, n.Hk, true, true}, OperandShape{false, n.H, false, true}, 0.6,
+                            dtype);
+    if (bias_dtype != dtype) in.bias = HostTensor::random(bias_dtype, operand_shape(n, {false, n.H, false, true}), rng);
+    in.causal = true;
+    out = HostTensor::empty(dtype, {n.B, n.Sq, n.H, n.D}, out_row_pad);
+    lse = HostTensor::empty(DType::float32, {n.B, n.H, n.Sq});
+    dq = HostTensor::empty(dtype, {n.B, n.Sq, n.H, n.D}, out_row_pad);
+    dk = HostTensor::empty(dtype, {n.B, n.Sk, n.Hk, n.D});
+    dv = HostTensor::empty(dtype, {n.B, n.Sk, n.Hk, n.D});
+    dbias = HostTensor::empty(bias_dtype, Shape(in.bias->view.shape, in.bias->view.shape + 4));
+    for (HostTensor* t : {&out, &lse, &dq, &dk, &dv, &dbias}) poison(*t);
+  }
+
+  static void poison(HostTensor& t) {
+    for (size_t b = 0; b + 1 < t.bytes.size(); b += 2) {  // 0x7fff..: NaN in fp16, bf16 and fp32
+      t.bytes[b] = 0xff;
+      t.bytes[b + 1] = 0x7f;
+    }
+  }
+
+  ForwardArgs forward_args() const {
+    ForwardArgs a;
+    a.q = in.q.view;
+    a.k = in.k.view;
+    a.v = in.v.view;
+    a.mask = in.mask->view;
+    a.bias = in.bias->view;
+    a.out = out.view;
+    a.lse = lse.view;
+    a.options.softmax_scale = in.scale;
+    a.options.causal = in.causal;
+    return a;
+  }
+
+  BackwardArgs backward_args() const {
+    BackwardArgs a;
+    a.q = in.q.view;
+    a.k = in.k.view;
+    a.v = in.v.view;
+    a.mask = in.mask->view;
+    a.bias = in.bias->view;
+    a.out = out.view;
+    a.lse = lse.view;
+    a.dout = in.dout.view;
+    a.dq = dq.view;
+    a.dk = dk.view;
+    a.dv = dv.view;
+    a.dbias = dbias.view;
+    a.options.softmax_scale = in.scale;
+    a.options.causal = in.causal;
+    return a;
+  }
+};
+
+void expect_rounded(const HostTensor& got, const std::vector<double>& exact, const char* name) {
+  const auto values = got.values();
+  ASSERT_EQ(values.size(), exact.size()) << name;
+  for (size_t e = 0; e < exact.size(); ++e) {
+    ASSERT_EQ(values[e], host::round_to(got.view.dtype, exact[e])) << name << " element " << e;
+  }
+}
+
+class ApiDtypes : public ::testing::TestWithParam<std::tuple<DType, DType>> {};
+
+TEST_P(ApiDtypes, ForwardAndBackwardWriteTheRoundedReference) {
+  auto rng = test_rng();
+  Sizes n;
+  n.Sq = 7;
+  n.Sk = 9;
+  n.D = 16;
+  const auto [dtype, bias_dtype] = GetParam();
+  ApiProblem p(n, dtype, bias_dtype, rng, /*out_row_pad=*/5);
+  ASSERT_TRUE(forward(p.forward_args()).ok());
+  const auto r = reference::forward(p.in.inputs());
+  expect_rounded(p.out, r.out, "out");
+  expect_rounded(p.lse, r.lse, "lse");
+
+  const Status status = backward(p.backward_args());
+  ASSERT_TRUE(status.ok()) << status.message();
+  const auto g = reference::backward(p.in.inputs(), p.in.dout.view);
+  expect_rounded(p.dq, g.dq, "dq");
+  expect_rounded(p.dk, g.dk, "dk");
+  expect_rounded(p.dv, g.dv, "dv");
+  expect_rounded(p.dbias, g.dbias, "dbias");
+
+  // The padding between the rows of the strided outputs is never written.
+  for (const HostTensor* t : {&p.out, &p.dq}) {
+    std::vector<bool> touched(t->bytes.size() / 2, false);
+    t->for_each([&](std::int64_t o) { touched[o] = true; });
+    for (size_t e = 0; e < touched.size(); ++e) {
+      if (!touched[e]) {
+        ASSERT_TRUE(std::isnan(host::load(t->view, e))) << "padding element " << e << " was written";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ApiDtypes,
+                         ::testing::Values(std::make_tuple(DType::bfloat16, DType::bfloat16),
+                                           std::make_tuple(DType::float16, DType::float16),
+                                           std::make_tuple(DType::bfloat16, DType::float32),
+                                           std::make_tuple(DType::float16, DType::float32)),
+                         [](const auto& test) {
+                           return std::string(dtype_name(std::get<0>(test.param))) + "_bias_" +
+                                  dtype_name(std::get<1>(test.param));
+                         });
+
+TEST(Api, EmptyQueryDoesNothingInTheForwardAndZeroesKeyGradients) {
+  auto rng = test_rng();
+  Sizes n;
+  n.Sq = 0;
+  n.D = 8;
+  ApiProblem p(n, DType::bfloat16, DType::bfloat16, rng);
+  ASSERT_TRUE(forward(p.forward_args()).ok());
+  ASSERT_TRUE(backward(p.backward_args()).ok());
+  for (const HostTensor* t : {&p.dk, &p.dv, &p.dbias})
+    for (double x : t->values()) EXPECT_EQ(x, 0.0);
+}
+
+TEST(Api, EmptyKeysGiveZeroOutputAndInfiniteLse) {
+  auto rng = test_rng();
+  Sizes n;
+  n.Sk = 0;
+  n.D = 8;
+  ApiProblem p(n, DType::float16, DType::float32, rng);
+  ASSERT_TRUE(forward(p.forward_args()).ok());
+  for (double x : p.out.values()) EXPECT_EQ(x, 0.0);
+  for (double x : p.lse.values()) EXPECT_EQ(x, std::numeric_limits<double>::infinity());
+  ASSERT_TRUE(backward(p.backward_args()).ok());
+  for (double x : p.dq.values()) EXPECT_EQ(x, 0.0);
+}
+
+TEST(Api, DefaultScaleIsOneOverSqrtHeadDim) {
+  auto rng = test_rng();
+  Sizes n;
+  n.D = 32;
+  ApiProblem p(n, DType::bfloat16, DType::float32, rng);
+  ForwardArgs a = p.forward_args();
+  a.options.softmax_scale.reset();
+  ASSERT_TRUE(forward(a).ok());
+  p.in.scale = 1.0 / std::sqrt(32.0);
+  expect_rounded(p.out, reference::forward(p.in.inputs()).out, "out");
+}
+
+TEST(Api, DeterministicBackwardIsBitwiseRepeatable) {
+  auto rng = test_rng();
+  Sizes n;
+  n.B = 3;
+  n.D = 8;
+  ApiProblem p(n, DType::bfloat16, DType::float32, rng);
+  BackwardArgs a = p.backward_args();
+  a.deterministic = true;
+  ASSERT_TRUE(backward(a).ok());
+  const auto first = p.dbias.bytes;
+  const auto first_dk = p.dk.bytes;
+  ASSERT_TRUE(backward(a).ok());
+  EXPECT_EQ(first, p.dbias.bytes);
+  EXPECT_EQ(first_dk, p.dk.bytes);
+}
+
+TEST(Api, QueriesReportTheCpuReference) {
+  auto rng = test_rng();
+  ApiProblem p(Sizes{2, 3, 4, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);
+  Capability cap;
+  ASSERT_TRUE(query_forward(p.forward_args(), &cap).ok());
+  EXPECT_EQ(cap.backend, Backend::cpu_reference);
+  EXPECT_EQ(cap.arch, 0);
+  EXPECT_NE(cap.description.find("cpu_reference"), std::string::npos);
+  ASSERT_TRUE(query_backward(p.backward_args(), &cap).ok());
+  EXPECT_EQ(cap.backend, Backend::cpu_reference);
+  std::size_t bytes = 1;
+  ASSERT_TRUE(forward_workspace_size(p.forward_args(), &bytes).ok());
+  EXPECT_EQ(bytes, 0u);
+  bytes = 1;
+  ASSERT_TRUE(backward_workspace_size(p.backward_args(), &bytes).ok());
+  EXPECT_EQ(bytes, 0u);
+  const auto backends = available_backends();
+  ASSERT_FALSE(backends.empty());
+  EXPECT_EQ(backends.back(), Backend::cpu_reference);
+}
+
+TEST(Api, ThrowIfErrorCarriesTheMessage) {
+  auto rng = test_rng();
+  ApiProblem p(Sizes{2, 3, 4, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);
+  ForwardArgs a = p.forward_args();
+  a.options.softcap = -1.0;
+  try {
+    throw_if_error(forward(a));
+    FAIL() << "expected an exception";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), StatusCode::invalid_argument);
+    EXPECT_NE(std::string(error.what()).find("softcap"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace flash_dmattn::test

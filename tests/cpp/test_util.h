@@ -1,0 +1,121 @@
+// Shared by the CPU test suites: owning host tensors filled with fresh random data, broadcast
+// shapes, and the seed every run prints so that a failure can be replayed (FDMA_TEST_SEED=...).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flash_dmattn/flash_dmattn.h"
+#include "host_numeric.h"
+
+namespace flash_dmattn {
+// gtest prints parameters through this.
+inline void PrintTo(DType dtype, std::ostream* os) { *os << dtype_name(dtype); }
+}  // namespace flash_dmattn
+
+namespace flash_dmattn::test {
+
+// A fresh seed per process unless FDMA_TEST_SEED is set; printed once.
+inline std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    const char* env = std::getenv("FDMA_TEST_SEED");
+    const std::uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    std::printf("[flash_dmattn tests] FDMA_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+// A generator per test, derived from the run's seed and the test's name.
+inline std::mt19937_64 test_rng() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "";
+  return std::mt19937_64(test_seed() ^ std::hash<std::string>{}(name));
+}
+
+using Shape = std::vector<std::int64_t>;
+
+// Owns its bytes; `view` describes them. Storage may be padded (larger strides than contiguous).
+struct HostTensor {
+  std::vector<unsigned char> bytes;
+  TensorView view;
+
+  HostTensor() = default;
+  // Copies own their bytes, so the copy's view points at the copy.
+  HostTensor(const HostTensor& other) : bytes(other.bytes), view(other.view) { view.data = bytes.data(); }
+  HostTensor& operator=(const HostTensor& other) {
+    bytes = other.bytes;
+    view = other.view;
+    view.data = bytes.data();
+    return *this;
+  }
+  HostTensor(HostTensor&&) = default;  // a moved vector keeps its buffer, so the view stays valid
+  HostTensor& operator=(HostTensor&&) = default;
+
+  static HostTensor empty(DType dtype, const Shape& shape, std::int64_t row_pad = 0) {
+    // Row-major strides; each dimension above the last gets `row_pad` extra elements per step,
+    // so that padded views exercise non-contiguous strides.
+    HostTensor t;
+    t.view.dtype = dtype;
+    t.view.rank = static_cast<int>(shape.size());
+    std::int64_t running = 1;
+    for (int d = t.view.rank - 1; d >= 0; --d) {
+      t.view.shape[d] = shape[d];
+      t.view.stride[d] = running;
+      running = running * shape[d] + (d == t.view.rank - 1 ? row_pad : 0);
+    }
+    t.bytes.assign(static_cast<std::size_t>(std::max<std::int64_t>(running, 1)) * dtype_size(dtype), 0);
+    t.view.data = t.bytes.data();
+    return t;
+  }
+
+  // Uniform in [lo, hi), rounded to the dtype; booleans true with probability `lo`.
+  static HostTensor random(DType dtype, const Shape& shape, std::mt19937_64& rng, double lo = -1.0, double hi = 1.0,
+                           std::int64_t row_pad = 0) {
+    HostTensor t = empty(dtype, shape, row_pad);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    t.for_each([&](std::int64_t offset) {
+      const double x = dtype == DType::boolean ? (u(rng) < lo ? 1.0 : 0.0) : lo + (hi - lo) * u(rng);
+      host::store(t.view, offset, x);
+    });
+    return t;
+  }
+
+  template <typename Fn>
+  void for_each(Fn fn) const {  // fn(element offset), in row-major index order
+    std::int64_t s[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
+    const int pad = 4 - view.rank;
+    for (int d = 0; d < view.rank; ++d) {
+      s[pad + d] = view.shape[d];
+      st[pad + d] = view.stride[d];
+    }
+    for (std::int64_t a = 0; a < s[0]; ++a)
+      for (std::int64_t b = 0; b < s[1]; ++b)
+        for (std::int64_t c = 0; c < s[2]; ++c)
+          for (std::int64_t d = 0; d < s[3]; ++d) fn(a * st[0] + b * st[1] + c * st[2] + d * st[3]);
+  }
+
+  double get(std::int64_t offset) const { return host::load(view, offset); }
+  void set(std::int64_t offset, double x) { host::store(view, offset, x); }
+
+  // Every element in row-major index order.
+  std::vector<double> values() const {
+    std::vector<double> out;
+    out.reserve(view.numel());
+    for_each([&](std::int64_t o) { out.push_back(get(o)); });
+    return out;
+  }
+};
+
+inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+}  // namespace flash_dmattn::test
