@@ -9,11 +9,12 @@
 namespace flash_dmattn {
 namespace {
 
-Status select_backend(const char* call, const Problem& problem, Backend requested, const BackendImpl** chosen) {
+Status select_backend(const char* call, const Problem& problem, Backend requested, BackendImpl::Pass pass,
+                      const BackendImpl** chosen) {
   std::string reasons;
   for (const BackendImpl* backend : compiled_backends()) {
     if (requested != Backend::automatic && backend->id() != requested) continue;
-    const auto why_not = backend->cannot_run(problem);
+    const auto why_not = backend->cannot_run(problem, pass);
     if (!why_not) {
       *chosen = backend;
       return Status::success();
@@ -47,12 +48,15 @@ template <typename Args>
 using Validator = Status (*)(const Args&, Problem*);
 
 template <typename Args>
-Status prepare(const char* call, const Args& args, Validator<Args> validate, Problem* problem,
-               const BackendImpl** backend) {
+Status prepare(const char* call, const Args& args, Validator<Args> validate, BackendImpl::Pass pass,
+               Problem* problem, const BackendImpl** backend) {
   Status status = validate(args, problem);
   if (!status.ok()) return status;
-  return select_backend(call, *problem, args.options.backend, backend);
+  return select_backend(call, *problem, args.options.backend, pass, backend);
 }
+
+constexpr auto kForward = BackendImpl::Pass::forward;
+constexpr auto kBackward = BackendImpl::Pass::backward;
 
 Capability capability_of(const BackendImpl& backend, const Problem& problem) {
   return Capability{backend.id(), backend.arch(problem), backend.describe(problem)};
@@ -63,7 +67,7 @@ Capability capability_of(const BackendImpl& backend, const Problem& problem) {
 Status query_forward(const ForwardArgs& args, Capability* capability) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("forward", args, validate_forward, &problem, &backend);
+  Status status = prepare("forward", args, validate_forward, kForward, &problem, &backend);
   if (status.ok()) *capability = capability_of(*backend, problem);
   return status;
 }
@@ -71,7 +75,7 @@ Status query_forward(const ForwardArgs& args, Capability* capability) {
 Status query_backward(const BackwardArgs& args, Capability* capability) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("backward", args, validate_backward, &problem, &backend);
+  Status status = prepare("backward", args, validate_backward, kBackward, &problem, &backend);
   if (status.ok()) *capability = capability_of(*backend, problem);
   return status;
 }
@@ -79,25 +83,25 @@ Status query_backward(const BackwardArgs& args, Capability* capability) {
 Status forward_workspace_size(const ForwardArgs& args, std::size_t* bytes) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("forward", args, validate_forward, &problem, &backend);
-  if (status.ok()) *bytes = backend->forward_workspace_size(problem);
+  Status status = prepare("forward", args, validate_forward, kForward, &problem, &backend);
+  if (status.ok()) *bytes = backend->forward_workspace_size(args, problem);
   return status;
 }
 
 Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("backward", args, validate_backward, &problem, &backend);
-  if (status.ok()) *bytes = backend->backward_workspace_size(problem);
+  Status status = prepare("backward", args, validate_backward, kBackward, &problem, &backend);
+  if (status.ok()) *bytes = backend->backward_workspace_size(args, problem);
   return status;
 }
 
 Status forward(const ForwardArgs& args) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("forward", args, validate_forward, &problem, &backend);
+  Status status = prepare("forward", args, validate_forward, kForward, &problem, &backend);
   if (!status.ok()) return status;
-  status = check_workspace("forward", args.workspace, backend->forward_workspace_size(problem));
+  status = check_workspace("forward", args.workspace, backend->forward_workspace_size(args, problem));
   if (!status.ok()) return status;
   return backend->forward(args, problem);
 }
@@ -105,9 +109,9 @@ Status forward(const ForwardArgs& args) {
 Status backward(const BackwardArgs& args) {
   Problem problem;
   const BackendImpl* backend = nullptr;
-  Status status = prepare("backward", args, validate_backward, &problem, &backend);
+  Status status = prepare("backward", args, validate_backward, kBackward, &problem, &backend);
   if (!status.ok()) return status;
-  status = check_workspace("backward", args.workspace, backend->backward_workspace_size(problem));
+  status = check_workspace("backward", args.workspace, backend->backward_workspace_size(args, problem));
   if (!status.ok()) return status;
   return backend->backward(args, problem);
 }
@@ -120,8 +124,9 @@ std::vector<Backend> available_backends() {
     probe.batch = probe.seqlen_q = probe.seqlen_k = probe.heads = probe.kv_heads = 1;
     probe.head_dim = 64;
     probe.dtype = DType::bfloat16;
+    probe.rows_aligned_16 = true;
     probe.device = backend->id() == Backend::cpu_reference ? Device{DeviceType::cpu, 0} : Device{DeviceType::cuda, 0};
-    if (!backend->cannot_run(probe)) result.push_back(backend->id());
+    if (!backend->cannot_run(probe, kForward)) result.push_back(backend->id());
   }
   return result;
 }

@@ -16,15 +16,17 @@ class BackendImpl {
  public:
   virtual ~BackendImpl() = default;
 
+  enum class Pass { forward, backward };
+
   virtual Backend id() const = 0;
   // Why this backend cannot run a validated problem, or nullopt when it can.
-  virtual std::optional<std::string> cannot_run(const Problem& problem) const = 0;
+  virtual std::optional<std::string> cannot_run(const Problem& problem, Pass pass) const = 0;
   // Compute capability the problem's device would run at (0 for the CPU).
   virtual int arch(const Problem& problem) const = 0;
   virtual std::string describe(const Problem& problem) const = 0;
 
-  virtual std::size_t forward_workspace_size(const Problem& problem) const = 0;
-  virtual std::size_t backward_workspace_size(const Problem& problem) const = 0;
+  virtual std::size_t forward_workspace_size(const ForwardArgs& args, const Problem& problem) const = 0;
+  virtual std::size_t backward_workspace_size(const BackwardArgs& args, const Problem& problem) const = 0;
   // Both run on validated arguments with a workspace of at least the reported size.
   virtual Status forward(const ForwardArgs& args, const Problem& problem) const = 0;
   virtual Status backward(const BackwardArgs& args, const Problem& problem) const = 0;
@@ -34,5 +36,8 @@ class BackendImpl {
 const std::vector<const BackendImpl*>& compiled_backends();
 
 const BackendImpl& cpu_reference_backend();
+#ifdef FLASH_DMATTN_HAS_CUDA
+const BackendImpl& cuda_sm80_backend();
+#endif
 
 }  // namespace flash_dmattn

@@ -24,6 +24,9 @@ struct Problem {
   bool causal = false;
   double softcap = 0.0;
   bool deterministic = false;  // backward only
+  // q, k, v and out (and dout, dq, dk, dv in the backward) start on 16-byte boundaries and step
+  // by whole 16-byte vectors in every dimension but the last, as vectorized kernels need.
+  bool rows_aligned_16 = false;
 
   std::int64_t group_size() const { return heads / kv_heads; }  // query heads per KV head
   bool empty() const { return batch == 0 || seqlen_q == 0 || heads == 0; }

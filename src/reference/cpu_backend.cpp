@@ -47,7 +47,7 @@ class CpuReferenceBackend final : public BackendImpl {
  public:
   Backend id() const override { return Backend::cpu_reference; }
 
-  std::optional<std::string> cannot_run(const Problem& p) const override {
+  std::optional<std::string> cannot_run(const Problem& p, Pass) const override {
     if (p.device.type != DeviceType::cpu) return "runs on CPU tensors, got tensors on " + device_name(p.device);
     return std::nullopt;
   }
@@ -58,8 +58,8 @@ class CpuReferenceBackend final : public BackendImpl {
     return "cpu_reference: fp64 CPU reference, " + std::to_string(host::worker_count(p.batch * p.heads, 4.0 * p.batch * p.heads * p.seqlen_q * p.seqlen_k * p.head_dim)) + " threads";
   }
 
-  std::size_t forward_workspace_size(const Problem&) const override { return 0; }
-  std::size_t backward_workspace_size(const Problem&) const override { return 0; }
+  std::size_t forward_workspace_size(const ForwardArgs&, const Problem&) const override { return 0; }
+  std::size_t backward_workspace_size(const BackwardArgs&, const Problem&) const override { return 0; }
 
   Status forward(const ForwardArgs& a, const Problem& p) const override {
     if (p.empty()) return Status::success();

@@ -1,0 +1,209 @@
+// flash_dmattn_bench_forward: times flash_dmattn::forward on the workloads of
+// ../shared/reference/anchors.md with CUDA events (warm-up, then the median of many runs), and
+// reports dense-equivalent and visited-tile TFLOP/s separately.
+//
+//   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME]
+//
+// Dense-equivalent FLOPs follow the anchors' convention: 4·B·H·Sq·Sk·D, halved when causal.
+// Visited-tile FLOPs count 4·kBlockM·kBlockN·D for every (query tile, key tile) the kernel
+// computes: tiles with a visible key under the mask and the causal limit.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flash_dmattn/flash_dmattn.h"
+#include "kernels/sm80/tile_size.h"
+
+namespace fd = flash_dmattn;
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    const cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+enum class MaskKind { none, all_true, sliding_window };
+
+struct Workload {
+  const char* name;
+  int B, H, Hk, Sq, Sk, D;
+  bool causal;
+  MaskKind mask;
+  int window;  // sliding_window: row i keeps keys (i - window, i]
+};
+
+const Workload kWorkloads[] = {
+    {"train_dense_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::all_true, 0},
+    {"train_window1024_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::sliding_window, 1024},
+    {"train_dense_d64", 2, 16, 4, 8192, 8192, 64, true, MaskKind::all_true, 0},
+    {"seed_dense_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::all_true, 0},
+    {"decode_sk131072_d128", 1, 32, 8, 1, 131072, 128, false, MaskKind::all_true, 0},
+};
+
+// Fresh pseudo-random values in [-1, 1) from a hash of the index: no host round trip.
+template <typename T>
+__global__ void fill_random(T* data, std::int64_t n, std::uint64_t seed, float scale) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    data[i] = T(scale * (static_cast<float>(x >> 40) / float(1 << 23) - 1.f));
+  }
+}
+
+__global__ void fill_mask(std::uint8_t* mask, int heads, int Sq, int Sk, int kind, int window) {
+  const std::int64_t n = std::int64_t(heads) * Sq * Sk;
+  for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < n; e += std::int64_t(gridDim.x) * blockDim.x) {
+    const int j = static_cast<int>(e % Sk), i = static_cast<int>((e / Sk) % Sq);
+    const int diag = i + Sk - Sq;
+    mask[e] = kind == 1 ? 1 : (j <= diag && j > diag - window);
+  }
+}
+
+// Visible keys of row i form one interval [first, last] for every mask kind here.
+bool tile_visited(const Workload& w, int m0, int m1, int n0, int n1) {
+  for (int i = m0; i < std::min(m1, w.Sq); ++i) {
+    const int diag = i + w.Sk - w.Sq;
+    int last = w.causal || w.mask == MaskKind::sliding_window ? std::min(diag, w.Sk - 1) : w.Sk - 1;
+    int first = w.mask == MaskKind::sliding_window ? std::max(0, diag - w.window + 1) : 0;
+    if (first <= std::min(last, n1 - 1) && std::max(first, n0) <= last) return true;
+  }
+  return false;
+}
+
+double visited_tile_flops(const Workload& w) {
+  const auto tile = fd::kernels::sm80::forward_tile(w.D);
+  std::int64_t tiles = 0;
+  for (int m0 = 0; m0 < w.Sq; m0 += tile.block_m)
+    for (int n0 = 0; n0 < w.Sk; n0 += tile.block_n) tiles += tile_visited(w, m0, m0 + tile.block_m, n0, n0 + tile.block_n);
+  return 4.0 * tiles * tile.block_m * tile.block_n * w.D * w.B * w.H;
+}
+
+struct Result {
+  std::string name;
+  double ms, dense_tflops, visited_tflops, tile_density;
+};
+
+Result run(const Workload& w, int runs) {
+  using bf16 = __nv_bfloat16;
+  const std::int64_t nq = std::int64_t(w.B) * w.Sq * w.H * w.D, nk = std::int64_t(w.B) * w.Sk * w.Hk * w.D;
+  bf16 *q, *k, *v, *out, *bias;
+  float* lse;
+  std::uint8_t* mask = nullptr;
+  CHECK_CUDA(cudaMalloc(&q, nq * 2));
+  CHECK_CUDA(cudaMalloc(&k, nk * 2));
+  CHECK_CUDA(cudaMalloc(&v, nk * 2));
+  CHECK_CUDA(cudaMalloc(&out, nq * 2));
+  CHECK_CUDA(cudaMalloc(&bias, std::int64_t(w.B) * w.Hk * w.Sk * 2));
+  CHECK_CUDA(cudaMalloc(&lse, std::int64_t(w.B) * w.H * w.Sq * 4));
+  fill_random<<<1024, 256>>>(q, nq, 1, 1.f);
+  fill_random<<<1024, 256>>>(k, nk, 2, 1.f);
+  fill_random<<<1024, 256>>>(v, nk, 3, 1.f);
+  fill_random<<<1024, 256>>>(bias, std::int64_t(w.B) * w.Hk * w.Sk, 4, 2.f);
+  const std::int64_t mask_elems = std::int64_t(w.B) * w.Hk * w.Sq * w.Sk;
+  if (w.mask != MaskKind::none) {
+    CHECK_CUDA(cudaMalloc(&mask, mask_elems));
+    fill_mask<<<4096, 256>>>(mask, w.B * w.Hk, w.Sq, w.Sk, w.mask == MaskKind::all_true ? 1 : 2, w.window);
+  }
+  CHECK_CUDA(cudaGetLastError());
+
+  const fd::Device dev{fd::DeviceType::cuda, 0};
+  fd::ForwardArgs a;
+  a.q = fd::make_contiguous_view(q, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
+  a.k = fd::make_contiguous_view(k, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
+  a.v = fd::make_contiguous_view(v, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
+  if (mask) a.mask = fd::make_contiguous_view(mask, fd::DType::boolean, {w.B, w.Hk, w.Sq, w.Sk}, dev);
+  a.bias = fd::make_contiguous_view(bias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
+  a.out = fd::make_contiguous_view(out, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
+  a.lse = fd::make_contiguous_view(lse, fd::DType::float32, {w.B, w.H, w.Sq}, dev);
+  a.options.causal = w.causal;
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  a.options.stream = stream;
+  std::size_t ws_bytes = 0;
+  fd::throw_if_error(fd::forward_workspace_size(a, &ws_bytes));
+  if (ws_bytes) CHECK_CUDA(cudaMalloc(&a.workspace.data, ws_bytes));
+  a.workspace.bytes = ws_bytes;
+
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) fd::throw_if_error(fd::forward(a));
+  std::vector<float> times;
+  for (int i = 0; i < runs; ++i) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    fd::throw_if_error(fd::forward(a));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  const double ms = times[times.size() / 2];
+  const double dense = 4.0 * w.B * w.H * double(w.Sq) * w.Sk * w.D * (w.causal ? 0.5 : 1.0);
+  const double visited = visited_tile_flops(w);
+  const auto tile = fd::kernels::sm80::forward_tile(w.D);
+  const double all_tiles = 4.0 * w.B * w.H * double((w.Sq + tile.block_m - 1) / tile.block_m) * tile.block_m *
+                           double((w.Sk + tile.block_n - 1) / tile.block_n) * tile.block_n * w.D;
+  for (void* p : {(void*)q, (void*)k, (void*)v, (void*)out, (void*)bias, (void*)lse, (void*)mask, a.workspace.data}) cudaFree(p);
+  cudaStreamDestroy(stream);
+  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int runs = 30;
+  const char* json = nullptr;
+  const char* only = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: flash_dmattn_bench_forward [--runs N] [--json PATH] [--only NAME]\n");
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::vector<Result> results;
+  for (const Workload& w : kWorkloads) {
+    if (only && std::strcmp(only, w.name) != 0) continue;
+    results.push_back(run(w, runs));
+  }
+  std::printf("flash_dmattn forward, %s, bf16, median of %d runs (CUDA events)\n", prop.name, runs);
+  std::printf("%-24s %10s %14s %16s %12s\n", "workload", "fwd ms", "dense TFLOP/s", "visited TFLOP/s", "tile density");
+  for (const Result& r : results) {
+    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f\n", r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops,
+                r.tile_density);
+  }
+  if (json) {
+    FILE* f = std::fopen(json, "w");
+    if (!f) return 1;
+    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"dtype\": \"bfloat16\",\n  \"runs\": %d,\n  \"forward\": [\n", prop.name, runs);
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f}%s\n",
+                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  return 0;
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# On a GPU machine: build with every core, run the GPU test suite, the sanitizers on a small
+# subset, and the benchmark smoke; print a short table last. Logs and JSON go to $OUT.
+#
+# Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real on a Hopper GPU, else 80-real),
+# CUTLASS_DIR (default .carry/cutlass when present), GTEST_SOURCE_DIR (default .carry/googletest
+# when present), CMAKE_EXTRA (more configure flags), SKIP_BENCH=1, SKIP_SANITIZERS=1,
+# GPU_TEST_FILTER (gtest filter for the GPU suite).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
+mkdir -p "$OUT"
+export PATH="/usr/local/cuda/bin:$PATH"
+[ -d .carry/cutlass ] && export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.carry/cutlass}"
+gtest_flag=()
+[ -d .carry/googletest ] && gtest_flag=(-DGTEST_SOURCE_DIR="${GTEST_SOURCE_DIR:-$PWD/.carry/googletest}")
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
+archs="${FLASH_DMATTN_CUDA_ARCHS:-$([ "${cc:-80}" -ge 90 ] && echo 90-real || echo 80-real)}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
+  ${CMAKE_EXTRA:-} > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+build_s=$(( $(date +%s) - start ))
+
+start=$(date +%s)
+build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests.log" 2>&1
+gpu_rc=$?
+gpu_s=$(( $(date +%s) - start ))
+tail -30 "$OUT/gpu_tests.log"
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$OUT/bench_forward.txt" 2>&1
+  python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$OUT/baselines_torch.txt" 2>&1
+fi
+
+san="skipped"
+if [ -z "${SKIP_SANITIZERS:-}" ]; then
+  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*}"
+  san="memcheck:"
+  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
+  san+=" racecheck:"
+  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool racecheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter="$filter" > "$OUT/racecheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
+  tail -5 "$OUT/memcheck.log" "$OUT/racecheck.log"
+fi
+
+echo
+echo "================ summary ================"
+cat "$OUT/device.txt"
+echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+echo "sanitizers: $san"
+[ -f "$OUT/bench_forward.txt" ] && cat "$OUT/bench_forward.txt"
+[ -f "$OUT/baselines_torch.txt" ] && cat "$OUT/baselines_torch.txt"
+exit $gpu_rc

@@ -1,0 +1,57 @@
+// Plain parameter structs the kernels take: pointers and int64 strides counted in elements, no
+// framework types. Host code fills them from validated TensorViews (src/cuda/cuda_backend.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace flash_dmattn::kernels {
+
+enum class ElementType : int { float16, bfloat16, float32 };
+
+// A mask or bias read through broadcast strides: a size-1 dimension has stride 0, and query head
+// h reads head h / head_divisor.
+struct BroadcastOperand {
+  const void* ptr = nullptr;  // nullptr: absent
+  ElementType type = ElementType::float16;
+  std::int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
+  int head_divisor = 1;
+};
+
+// Per-tile summary of the mask at kSummaryBlock granularity, built once per call by
+// build_tile_summary() into the workspace. Each byte ORs kTileHasVisible and kTileHasHidden
+// over the mask elements of its block inside [0, Sq) x [0, Sk).
+struct TileSummary {
+  const std::uint8_t* classes = nullptr;  // nullptr: no mask, every tile is visible
+  std::int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;  // 0 where the mask broadcasts
+  int head_divisor = 1;
+};
+
+inline constexpr int kSummaryBlock = 64;
+inline constexpr std::uint8_t kTileHasVisible = 1;
+inline constexpr std::uint8_t kTileHasHidden = 2;
+
+struct ForwardParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  ElementType element = ElementType::float16;
+
+  std::int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  std::int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  std::int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  std::int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
+  std::int64_t lse_batch_stride = 0, lse_head_stride = 0;  // rows are contiguous
+
+  BroadcastOperand mask;  // bytes, nonzero keeps a key
+  BroadcastOperand bias;
+  TileSummary summary;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  float scale = 1.f;
+  float softcap = 0.f;  // 0: off
+  bool causal = false;
+};
+
+}  // namespace flash_dmattn::kernels

@@ -1,0 +1,34 @@
+// The sm80 forward kernel entry and its launch: one CTA per (query tile, head, batch).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/params.h"
+#include "kernels/sm80/fwd_mainloop.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
+  extern __shared__ __align__(128) char smem[];
+  // Under causal masking the last query tiles see the most keys: start them first so that the
+  // short ones fill the tail of the grid.
+  const int m_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  forward_tile<Traits>(params, smem, m_block, blockIdx.y, blockIdx.z);
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
+  using Traits = ForwardTraits<Element, kHeadDim>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  auto* kernel = &forward_kernel<Traits>;
+  if constexpr (kSmem >= 48 * 1024) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (status != cudaSuccess) return status;
+  }
+  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.heads, params.batch);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_dmattn::kernels::sm80

@@ -1,0 +1,225 @@
+// The sm80 forward for one (query tile, head, batch): stream the key tiles that have visible keys,
+// keep an online softmax, write O and the LSE. The loop body is the algorithm:
+//   S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - max)  ->  O += P·V
+// with K of the next active tile and V of the current one loaded by cp.async behind the math.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/common/mask_bias.h"
+#include "kernels/common/softmax.h"
+#include "kernels/params.h"
+#include "kernels/sm80/fwd_traits.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+// Copies a (rows, head dim) tile from global to shared memory with cp.async. Rows at or past
+// `valid_rows` and head-dim columns at or past `head_dim` are zero-filled instead: zero K rows
+// and columns add nothing to Q·Kᵀ, and zero V rows keep P·V finite where P is 0.
+template <typename TiledCopy, typename TensorS, typename TensorD, typename TensorC>
+__device__ __forceinline__ void copy_rows_async(const TiledCopy& tiled_copy, const TensorS& src, TensorD&& dst, const TensorC& coords,
+                                int valid_rows, int head_dim) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    const bool row_ok = get<0>(coords(0, m, 0)) < valid_rows;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (row_ok && get<1>(coords(0, m, k)) < head_dim) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
+// acc += A·Bᵀ with both operands in shared memory, loading the next k-slice while the MMAs of
+// the current one run.
+template <typename Acc, typename RegA, typename RegB, typename SmemA, typename SmemB, typename TiledMma,
+          typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
+__device__ __forceinline__ void gemm_smem_smem(Acc& acc, RegA& rA, RegB& rB, const SmemA& sA, const SmemB& sB, const TiledMma& mma,
+                               const CopyA& copy_a, const CopyB& copy_b, const ThrCopyA& thr_a, const ThrCopyB& thr_b) {
+  using namespace cute;
+  auto rA_view = thr_a.retile_D(rA);
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A·Bᵀ with A already in registers (P) and B in shared memory (Vᵀ).
+template <typename Acc, typename RegA, typename RegB, typename SmemB, typename TiledMma, typename CopyB,
+          typename ThrCopyB>
+__device__ __forceinline__ void gemm_reg_smem(Acc& acc, const RegA& rA, RegB& rB, const SmemB& sB, const TiledMma& mma,
+                              const CopyB& copy_b, const ThrCopyB& thr_b) {
+  using namespace cute;
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int h, int b) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int tid = threadIdx.x;
+  const int kv_h = h / (p.heads / p.kv_heads);
+  const int q_rows = p.seqlen_q - m_block * kBlockM;  // rows of this tile that exist
+
+  // Global views of this (batch, head): (rows, head dim) with the caller's row stride.
+  auto global = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride, int head, int rows,
+                    std::int64_t row_stride) {
+    const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + head * head_stride;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(rows, p.head_dim), make_stride(row_stride, _1{}));
+  };
+  Tensor gQ = local_tile(global(p.q, p.q_batch_stride, p.q_head_stride, h, p.seqlen_q, p.q_row_stride),
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(global(p.k, p.k_batch_stride, p.k_head_stride, kv_h, p.seqlen_k, p.k_row_stride),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, D, key tiles)
+  Tensor gV = local_tile(global(p.v, p.v_batch_stride, p.v_head_stride, kv_h, p.seqlen_k, p.v_row_stride),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+  // Global -> shared copies, with the (row, column) of every vector for predication.
+  typename Traits::GmemTiledCopyQKV gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tKgK = gmem_thr.partition_S(gK);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(make_shape(size<0>(sQ), size<1>(sQ))));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(make_shape(size<0>(sK), size<1>(sK))));
+
+  // MMA fragments and the shared -> register copies that feed them.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+
+  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_q = smem_copy_q.get_thread_slice(tid);
+  Tensor tSsQ = smem_thr_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_k = smem_copy_k.get_thread_slice(tid);
+  Tensor tSsK = smem_thr_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_v = smem_copy_v.get_thread_slice(tid);
+  Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+  // (row, col) inside the tile of every element of S and O this thread holds.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO_rows = make_tensor(tOcO.data(), accumulator_as_rows_cols(tOcO.layout()));
+  Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
+
+  const MaskBiasPolicy<kBlockM, kBlockN> policy(p, b, h, m_block);
+  ActiveTileWalk walk;
+  OnlineSoftmax<kRows> softmax;
+  softmax.init();
+
+  auto load_kv = [&](auto& src, auto& dst, int n_block) {
+    copy_rows_async(gmem_copy, src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+  };
+
+  copy_rows_async(gmem_copy, tQgQ, tQsQ, tQcQ, q_rows, p.head_dim);
+  int n_block = walk.next_at_or_below(policy.n_block_end() - 1, policy);
+  if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
+  cp_async_fence();
+
+  while (n_block >= 0) {
+    const bool elementwise = walk.needs_elementwise(n_block);
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
+    load_kv(tVgV, tVsV, n_block);
+    cp_async_fence();
+
+    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    policy.apply(acc_s, tScS, n_block, elementwise);
+
+    const int next = walk.next_at_or_below(n_block - 1, policy);
+    cp_async_wait<0>();
+    __syncthreads();  // V of this tile has landed, and every warp is done reading K
+    if (next >= 0) load_kv(tKgK, tKsK, next);
+    cp_async_fence();
+
+    Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+    softmax.update(acc_s_rows, acc_o_rows);
+    Tensor probabilities = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
+    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    n_block = next;
+  }
+
+  // Epilogue. Q's shared memory becomes O's once every copy into it has landed and every warp is
+  // past its last read of Q (the loop's barriers, or this one when no tile was active).
+  cp_async_wait<0>();
+  __syncthreads();
+  float lse[kRows];
+  softmax.finalize(acc_o_rows, lse);
+
+  // The quad's first thread (the one holding column 0) writes each row's LSE.
+  if (get<1>(tOcO_rows(0, 0)) == 0) {
+    float* lse_out = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m_block * kBlockM;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(tOcO_rows(r, 0));
+      if (row < q_rows) lse_out[row] = lse[r];
+    }
+  }
+
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
+  Tensor o_values = convert_fragment<Element>(acc_o);
+  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
+  copy(smem_copy_o, smem_thr_o.retile_S(o_values), smem_thr_o.partition_D(sO));
+  __syncthreads();
+
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  Tensor gO = local_tile(make_tensor(make_gmem_ptr(out), make_shape(p.seqlen_q, p.head_dim),
+                                     make_stride(p.out_row_stride, _1{})),
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  typename Traits::GmemTiledCopyO gmem_copy_o;
+  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
+  Tensor tOsO = gmem_thr_o.partition_S(sO);
+  Tensor tOgO = gmem_thr_o.partition_D(gO);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(gmem_copy_o, tOsO, tOrO);
+  Tensor tOcO_gmem = gmem_thr_o.partition_D(make_identity_tensor(make_shape(size<0>(sO), size<1>(sO))));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOgO); ++m) {
+    if (get<0>(tOcO_gmem(0, m, 0)) >= q_rows) continue;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tOgO); ++k) {
+      if (get<1>(tOcO_gmem(0, m, k)) < p.head_dim) copy(gmem_copy_o, tOrO(_, m, k), tOgO(_, m, k));
+    }
+  }
+}
+
+}  // namespace flash_dmattn::kernels::sm80

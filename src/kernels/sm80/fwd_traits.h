@@ -1,0 +1,63 @@
+// Tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 (mma.sync) forward.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/sm80/tile_size.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+template <typename Element_, int kHeadDim_>
+struct ForwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.warps;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  // Shared-memory rows of 64 (or 32) elements with a swizzle that makes ldmatrix conflict-free.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
+
+  using MmaAtom = cute::MMA_Atom<std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                                    cute::SM80_16x8x16_F32F16F16F32_TN,
+                                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // Warps split the query rows: warp w owns rows 16w..16w+15 of every 16·kNWarps-row slab.
+  using TiledMma = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kNWarps>, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::Int<16 * kNWarps>, cute::_16, cute::_16>>;
+
+  using SmemLayoutAtom = decltype(cute::composition(
+      cute::Swizzle<kSwizzle, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kBlockKSmem>>, cute::Stride<cute::Int<kBlockKSmem>, cute::_1>>{}));
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V read as (D, kBlockN) for P·V: the same bytes, viewed transposed.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutVt{}));
+  using SmemLayoutO = SmemLayoutQ;  // the output tile reuses Q's shared memory
+
+  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  // Global <-> shared: 16-byte vectors, kGmemThreadsPerRow threads across a kBlockKSmem row.
+  static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+  using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
+                                      cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
+  using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
+  using GmemTiledCopyO = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
+
+  static constexpr int kSmemBytes =
+      static_cast<int>((cute::cosize(SmemLayoutQ{}) + 2 * cute::cosize(SmemLayoutKV{})) * sizeof(Element));
+};
+
+}  // namespace flash_dmattn::kernels::sm80
