@@ -42,11 +42,17 @@ struct Workload {
   int B, H, Hk, Sq, Sk, D;
   bool causal;
   MaskKind mask;
-  int window;  // sliding_window: row i keeps keys (i - window, i]
+  int window;         // sliding_window: row i keeps keys (i - window, i]
+  bool bias = true;   // (B, Hk, 1, Sk)
 };
 
 const Workload kWorkloads[] = {
     {"train_dense_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::all_true, 0},
+    // Where the time of the dense-equivalent case goes: the same shape without mask or bias,
+    // with the bias alone, and with the mask alone.
+    {"train_plain_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::none, 0, false},
+    {"train_bias_only_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::none, 0, true},
+    {"train_mask_only_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::all_true, 0, false},
     {"train_window1024_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::sliding_window, 1024},
     {"train_dense_d64", 2, 16, 4, 8192, 8192, 64, true, MaskKind::all_true, 0},
     {"seed_dense_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::all_true, 0},
@@ -127,7 +133,7 @@ Result run(const Workload& w, int runs) {
   a.k = fd::make_contiguous_view(k, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
   a.v = fd::make_contiguous_view(v, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
   if (mask) a.mask = fd::make_contiguous_view(mask, fd::DType::boolean, {w.B, w.Hk, w.Sq, w.Sk}, dev);
-  a.bias = fd::make_contiguous_view(bias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
+  if (w.bias) a.bias = fd::make_contiguous_view(bias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
   a.out = fd::make_contiguous_view(out, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
   a.lse = fd::make_contiguous_view(lse, fd::DType::float32, {w.B, w.H, w.Sq}, dev);
   a.options.causal = w.causal;

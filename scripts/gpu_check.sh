@@ -35,6 +35,16 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$OUT/baselines_torch.txt" 2>&1
 fi
 
+if [ -n "${NCU:-}" ]; then
+  # One forward launch of the dense-equivalent workload under Nsight Compute (clocks untouched).
+  ncu --clock-control none --kernel-name regex:forward_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    build-gpu/flash_dmattn_bench_forward --runs 1 --only "${NCU_WORKLOAD:-train_dense_d128}" > "$OUT/ncu.txt" 2>&1
+  grep -E "Duration|Throughput|Registers|Occupancy|Warp Cycles|Stall|Issued|Eligible|Block Limit|Shared Memory|L1/TEX Hit|L2 Hit|Bank" \
+    "$OUT/ncu.txt" | head -60
+fi
+
 san="skipped"
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
   filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*}"

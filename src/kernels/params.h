@@ -9,7 +9,7 @@ namespace flash_dmattn::kernels {
 enum class ElementType : int { float16, bfloat16, float32 };
 
 // A mask or bias read through broadcast strides: a size-1 dimension has stride 0, and query head
-// h reads head h / head_divisor.
+// h reads head h / head_divisor. The key stride is 1, or 0 for a broadcast key dim.
 struct BroadcastOperand {
   const void* ptr = nullptr;  // nullptr: absent
   ElementType type = ElementType::float16;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/fragment_layouts.h"
 #include "kernels/params.h"
 
 namespace flash_dmattn::kernels {
@@ -18,7 +19,8 @@ struct TileClass {
   bool elementwise;  // some key may be hidden: apply mask, causal and length limits per element
 };
 
-template <int kBlockM, int kBlockN>
+// kRows: query rows one thread holds in the accumulator layout.
+template <int kBlockM, int kBlockN, int kRows>
 struct MaskBiasPolicy {
   static_assert(kBlockM % kSummaryBlock == 0 && kBlockN % kSummaryBlock == 0, "tiles are whole summary blocks");
 
@@ -31,34 +33,48 @@ struct MaskBiasPolicy {
   int diagonal;        // causal: row i sees keys j <= i + diagonal
   const std::uint8_t* summary = nullptr;  // this (batch, mask head)'s summary, or nullptr without a mask
   std::int64_t summary_row_stride = 0, summary_col_stride = 0;
-  const std::uint8_t* mask = nullptr;  // this (batch, mask head)'s mask
-  std::int64_t mask_row_stride = 0, mask_col_stride = 0;
-  const void* bias = nullptr;  // this (batch, bias head)'s bias
+  // Per row this thread holds: the query index, and where its mask and bias rows start. Rows
+  // past Sq point at the last existing row: always in bounds, and their logits are discarded.
+  // Computed once per CTA and shared by every specialization of apply().
+  int row_index[kRows];
+  const std::uint8_t* mask_row[kRows];
+  const char* bias_row[kRows];
+  bool has_mask = false, has_bias = false;
+  bool mask_key_broadcast = false, bias_key_broadcast = false;  // key dim of size 1
+  bool bias_shared_row = false;                                 // query dim of size 1
   ElementType bias_type = ElementType::float16;
-  std::int64_t bias_row_stride = 0, bias_col_stride = 0;
 
-  __device__ __forceinline__ MaskBiasPolicy(const ForwardParams& p, int b, int h, int m_block)
+  // coords: the (row, col) in the tile of every accumulator element this thread holds.
+  template <typename TensorC>
+  __device__ __forceinline__ MaskBiasPolicy(const ForwardParams& p, int b, int h, int m_block, const TensorC& coords)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), scale(p.scale), softcap(p.softcap),
         m_begin(m_block * kBlockM), m_end(min(m_block * kBlockM + kBlockM, p.seqlen_q)),
         diagonal(p.seqlen_k - p.seqlen_q) {
+    using namespace cute;
     if (p.summary.classes) {
       summary = p.summary.classes + b * p.summary.batch_stride + (h / p.summary.head_divisor) * p.summary.head_stride;
       summary_row_stride = p.summary.row_stride;
       summary_col_stride = p.summary.col_stride;
     }
-    if (p.mask.ptr) {
-      mask = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
-             (h / p.mask.head_divisor) * p.mask.head_stride;
-      mask_row_stride = p.mask.row_stride;
-      mask_col_stride = p.mask.col_stride;
-    }
-    if (p.bias.ptr) {
-      const int bytes = p.bias.type == ElementType::float32 ? 4 : 2;
-      bias = static_cast<const char*>(p.bias.ptr) +
-             bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride);
-      bias_type = p.bias.type;
-      bias_row_stride = p.bias.row_stride;
-      bias_col_stride = p.bias.col_stride;
+    has_mask = p.mask.ptr != nullptr;
+    has_bias = p.bias.ptr != nullptr;
+    mask_key_broadcast = p.mask.col_stride == 0;
+    bias_key_broadcast = p.bias.col_stride == 0;
+    bias_shared_row = p.bias.row_stride == 0;
+    bias_type = p.bias.type;
+    const auto* mask_base = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
+                            (h / p.mask.head_divisor) * p.mask.head_stride;
+    const int bias_bytes = p.bias.type == ElementType::float32 ? 4 : 2;
+    const char* bias_base = static_cast<const char*>(p.bias.ptr) +
+                            bias_bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride);
+    Tensor rows = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+    static_assert(decltype(size<0>(rows))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_index[r] = m_begin + get<0>(rows(r, 0));
+      const std::int64_t existing = min(row_index[r], p.seqlen_q - 1);
+      mask_row[r] = mask_base + existing * p.mask.row_stride;
+      bias_row[r] = bias_base + bias_bytes * existing * p.bias.row_stride;
     }
   }
 
@@ -96,55 +112,100 @@ struct MaskBiasPolicy {
   }
 
  private:
-  struct NoBias {};
+  // How a tile reads its bias: not at all, one row shared by every query row (a bias whose query
+  // dim is 1, the common (B, Hk, 1, Sk) case: each key's value is loaded once per tile), or a
+  // row per query row.
+  struct NoBias {
+    static constexpr bool kShared = false;
+  };
+  template <typename T, bool kSharedRow>
+  struct BiasRows {
+    using Element = T;
+    static constexpr bool kShared = kSharedRow;
+  };
 
   template <bool kSoftcap, typename TensorS, typename TensorC>
-  __device__ __forceinline__ void apply_bias_kind(TensorS& s, const TensorC& coords, int n_block, bool elementwise) const {
-    if (!bias) {
+  __device__ __forceinline__ void apply_bias_kind(TensorS& s, const TensorC& coords, int n_block,
+                                                  bool elementwise) const {
+    if (!has_bias) {
       apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise);
     } else if (bias_type == ElementType::float32) {
-      apply_elementwise<kSoftcap, float>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise);
     } else if (bias_type == ElementType::bfloat16) {
-      apply_elementwise<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise);
     } else {
-      apply_elementwise<kSoftcap, cute::half_t>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise);
     }
   }
 
-  template <bool kSoftcap, typename BiasElement, typename TensorS, typename TensorC>
-  __device__ __forceinline__ void apply_elementwise(TensorS& s, const TensorC& coords, int n_block, bool elementwise) const {
+  template <bool kSoftcap, typename T, typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_bias_rows(TensorS& s, const TensorC& coords, int n_block,
+                                                  bool elementwise) const {
+    if (bias_shared_row) {
+      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise);
+    } else {
+      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise);
+    }
+  }
+
+  template <bool kSoftcap, typename Bias, typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_elementwise(TensorS& s, const TensorC& coords, int n_block,
+                                                    bool elementwise) const {
     if (elementwise) {
-      apply_tile<kSoftcap, BiasElement, true>(s, coords, n_block);
+      apply_tile<kSoftcap, Bias, true>(s, coords, n_block);
     } else {
-      apply_tile<kSoftcap, BiasElement, false>(s, coords, n_block);
+      apply_tile<kSoftcap, Bias, false>(s, coords, n_block);
     }
   }
 
-  template <bool kSoftcap, typename BiasElement, bool kElementwise, typename TensorS, typename TensorC>
-  __device__ __forceinline__ void apply_tile(TensorS& s, const TensorC& coords, int n_block) const {
+  // Works on the (rows, cols) view of the tile. Keys are contiguous or broadcast (validated: key
+  // stride 1, or 0 for size 1), so a key's offset is j or 0, computed from the tile's first key:
+  // loop-variant, where per-element offsets from strides would be hoisted into registers.
+  template <bool kSoftcap, typename Bias, bool kElementwise, typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply_tile(TensorS& s_flat, const TensorC& coords_flat, int n_block) const {
     using namespace cute;
-    constexpr bool kBias = !std::is_same_v<BiasElement, NoBias>;
+    constexpr bool kBias = !std::is_same_v<Bias, NoBias>;
+    Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
+    Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
+    constexpr int kCols = decltype(size<1>(s))::value;
     const float logit_scale = kSoftcap ? scale / softcap : scale;
     const int n_begin = n_block * kBlockN;
-    CUTE_UNROLL
-    for (int e = 0; e < size(s); ++e) {
-      const int i = m_begin + get<0>(coords(e));
-      const int j = n_begin + get<1>(coords(e));
-      float z = s(e) * logit_scale;
-      if constexpr (kSoftcap) z = softcap * tanhf(z);
+    // Keys past Sk (the last key tile) read the last key: in bounds, and masked below.
+    auto bias_at = [&](int r, int j) {
       if constexpr (kBias) {
-        // Rows past Sq (the last query tile) and keys past Sk (the last key tile) read the last
-        // existing element instead: always in bounds, no predicate; those logits are discarded.
-        const std::int64_t bias_i = min(i, seqlen_q - 1), bias_j = min(j, seqlen_k - 1);
-        z += static_cast<float>(
-            static_cast<const BiasElement*>(bias)[bias_i * bias_row_stride + bias_j * bias_col_stride]);
+        const auto* row = reinterpret_cast<const typename Bias::Element*>(bias_row[r]);
+        return static_cast<float>(row[bias_key_broadcast ? 0 : min(j, seqlen_k - 1)]);
+      } else {
+        return 0.f;
       }
-      if constexpr (kElementwise) {
-        bool visible = i < seqlen_q && j < seqlen_k && (!causal || j <= i + diagonal);
-        if (visible && mask) visible = mask[i * mask_row_stride + j * mask_col_stride] != 0;
-        if (!visible) z = -INFINITY;
+    };
+    float shared_bias[kCols];
+    if constexpr (kBias && Bias::kShared) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_at(0, n_begin + get<1>(coords(0, c)));
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row_index[r];
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int j = n_begin + get<1>(coords(0, c));
+        float z;
+        if constexpr (kSoftcap) {
+          z = softcap * tanhf(s(r, c) * logit_scale);
+          if constexpr (kBias) z += Bias::kShared ? shared_bias[c] : bias_at(r, j);
+        } else if constexpr (kBias) {
+          z = fmaf(s(r, c), logit_scale, Bias::kShared ? shared_bias[c] : bias_at(r, j));
+        } else {
+          z = s(r, c) * logit_scale;
+        }
+        if constexpr (kElementwise) {
+          bool visible = i < seqlen_q && j < seqlen_k && (!causal || j <= i + diagonal);
+          if (visible && has_mask) visible = mask_row[r][mask_key_broadcast ? 0 : j] != 0;
+          if (!visible) z = -INFINITY;
+        }
+        s(r, c) = z;
       }
-      s(e) = z;
     }
   }
 };

@@ -9,7 +9,7 @@
 namespace flash_dmattn::kernels::sm80 {
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) forward_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(128) char smem[];
   // Under causal masking the last query tiles see the most keys: start them first so that the
   // short ones fill the tail of the grid.

@@ -137,7 +137,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
 
-  const MaskBiasPolicy<kBlockM, kBlockN> policy(p, b, h, m_block);
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(p, b, h, m_block, tScS);
   ActiveTileWalk walk;
   OnlineSoftmax<kRows> softmax;
   softmax.init();
