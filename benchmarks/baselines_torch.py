@@ -88,8 +88,16 @@ def main():
         rows.append(row)
         torch.cuda.empty_cache()
 
+    # The memory ceiling: a device-to-device copy of 2 GiB, counting bytes read plus written.
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), args.runs)
+    copy_tbps = 2 * src.numel() * src.element_size() / copy_ms / 1e9
+    del src, dst
+
     device = torch.cuda.get_device_name()
     print(f"torch {torch.__version__} baselines, {device}, bf16, median of {args.runs} runs (CUDA events)")
+    print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + write)")
     print(f"{'workload':24} {'flash ms':>10} {'cudnn ms':>10} {'eff+mask ms':>12}")
     fmt = lambda x: f"{x:10.3f}" if x is not None else f"{'-':>10}"
     for r in rows:
@@ -97,7 +105,8 @@ def main():
               f"{fmt(r['sdpa_efficient_floatmask']):>12}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "torch": torch.__version__, "runs": args.runs, "baselines": rows}, f, indent=2)
+            json.dump({"device": device, "torch": torch.__version__, "runs": args.runs, "copy_tbps": copy_tbps,
+                       "baselines": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

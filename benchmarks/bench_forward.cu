@@ -102,6 +102,7 @@ double visited_tile_flops(const Workload& w) {
 struct Result {
   std::string name;
   double ms, dense_tflops, visited_tflops, tile_density;
+  double kv_gbps;  // K and V bytes read once, over the time: the decode figure of merit
 };
 
 Result run(const Workload& w, int runs) {
@@ -168,7 +169,8 @@ Result run(const Workload& w, int runs) {
                            double((w.Sk + tile.block_n - 1) / tile.block_n) * tile.block_n * w.D;
   for (void* p : {(void*)q, (void*)k, (void*)v, (void*)out, (void*)bias, (void*)lse, (void*)mask, a.workspace.data}) cudaFree(p);
   cudaStreamDestroy(stream);
-  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles};
+  const double kv_bytes = 2.0 * w.B * double(w.Sk) * w.Hk * w.D * 2;
+  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles, kv_bytes / ms / 1e6};
 }
 
 }  // namespace
@@ -194,10 +196,11 @@ int main(int argc, char** argv) {
     results.push_back(run(w, runs));
   }
   std::printf("flash_dmattn forward, %s, bf16, median of %d runs (CUDA events)\n", prop.name, runs);
-  std::printf("%-24s %10s %14s %16s %12s\n", "workload", "fwd ms", "dense TFLOP/s", "visited TFLOP/s", "tile density");
+  std::printf("%-24s %10s %14s %16s %12s %10s\n", "workload", "fwd ms", "dense TFLOP/s", "visited TFLOP/s",
+              "tile density", "K/V GB/s");
   for (const Result& r : results) {
-    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f\n", r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops,
-                r.tile_density);
+    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f %10.0f\n", r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops,
+                r.tile_density, r.kv_gbps);
   }
   if (json) {
     FILE* f = std::fopen(json, "w");
@@ -205,8 +208,8 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"dtype\": \"bfloat16\",\n  \"runs\": %d,\n  \"forward\": [\n", prop.name, runs);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f}%s\n",
-                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, i + 1 < results.size() ? "," : "");
+      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f, \"kv_gbps\": %.1f}%s\n",
+                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

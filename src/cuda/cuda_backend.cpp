@@ -7,9 +7,13 @@
 #include <string>
 
 #include "../backend.h"
+#include <algorithm>
+
+#include "kernels/common/split_combine.h"
 #include "kernels/common/tile_summary.h"
 #include "kernels/params.h"
 #include "kernels/sm80/forward.h"
+#include "kernels/sm80/tile_size.h"
 
 namespace flash_dmattn {
 namespace {
@@ -93,6 +97,51 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
   return f;
 }
 
+// How a forward runs: GQA packing and split-KV when the grid would not fill the GPU (decode),
+// and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
+struct ForwardPlan {
+  int pack_group = 1;
+  int num_splits = 1;
+  std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0;
+
+  std::size_t workspace_bytes() const {
+    return align_up(summary_bytes) + align_up(partial_out_bytes) + align_up(partial_lse_bytes);
+  }
+};
+
+ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
+  ForwardPlan plan;
+  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
+  // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
+  // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
+  const std::int64_t group = p.heads / p.kv_heads;
+  const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
+  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
+
+  // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at two waves.
+  const auto tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
+  const std::int64_t rows = p.seqlen_q * plan.pack_group;
+  const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
+                            (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
+  const std::int64_t key_tiles = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device.index) != cudaSuccess) {
+    cudaGetLastError();  // consume it: without the count the plan simply does not split
+    sms = 0;
+  }
+  const std::int64_t slots = std::int64_t(sms) * tile.ctas_per_sm;
+  if (ctas > 0 && ctas < slots && key_tiles > 1) {
+    plan.num_splits = static_cast<int>(
+        std::min<std::int64_t>({(2 * slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
+  }
+  if (plan.num_splits > 1) {
+    const std::size_t row_count = static_cast<std::size_t>(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
+    plan.partial_out_bytes = row_count * p.head_dim * sizeof(float);
+    plan.partial_lse_bytes = row_count * sizeof(float);
+  }
+  return plan;
+}
+
 // Makes the tensors' device current for the duration of a call, and restores the caller's.
 class DeviceGuard {
  public:
@@ -152,7 +201,7 @@ class CudaSm80Backend final : public BackendImpl {
   }
 
   std::size_t forward_workspace_size(const ForwardArgs& a, const Problem& p) const override {
-    return a.mask ? align_up(kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads))) : 0;
+    return p.empty() ? 0 : plan_forward(a, p).workspace_bytes();
   }
 
   std::size_t backward_workspace_size(const BackwardArgs&, const Problem&) const override { return 0; }
@@ -162,13 +211,26 @@ class CudaSm80Backend final : public BackendImpl {
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
     kernels::ForwardParams params = forward_params(a, p);
+    const ForwardPlan plan = plan_forward(a, p);
+    char* workspace = static_cast<char*>(a.workspace.data);
+    params.pack_group = plan.pack_group;
+    params.num_splits = plan.num_splits;
+    if (plan.num_splits > 1) {
+      params.partial_out = reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes));
+      params.partial_lse =
+          reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes) + align_up(plan.partial_out_bytes));
+    }
     if (a.mask) {
-      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p.heads), a.workspace.data, stream,
+      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p.heads), workspace, stream,
                                                         &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
-    const cudaError_t e = kernels::sm80::forward(params, stream);
+    cudaError_t e = kernels::sm80::forward(params, stream);
     if (e != cudaSuccess) return cuda_failure("the sm80 forward launch", e);
+    if (plan.num_splits > 1) {
+      e = kernels::combine_split_partials(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the split-KV combine launch", e);
+    }
     return Status::success();
   }
 

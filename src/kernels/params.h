@@ -52,6 +52,18 @@ struct ForwardParams {
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;
+
+  // GQA packing (decode): with pack_group = g > 1, a CTA serves one KV head, and its packed row
+  // r is query row r / g of query head kv_head·g + r % g, so the g query heads that read the same
+  // K and V share one pass over them. pack_group = 1: a CTA serves one query head.
+  int pack_group = 1;
+
+  // Split-KV: num_splits CTAs share a query tile's key tiles; each writes its normalized partial
+  // output and LSE (-inf where it saw no visible key) to the workspace, and
+  // combine_split_partials() merges them into out and lse.
+  int num_splits = 1;
+  float* partial_out = nullptr;  // (num_splits, B, H, Sq, head_dim)
+  float* partial_lse = nullptr;  // (num_splits, B, H, Sq)
 };
 
 }  // namespace flash_dmattn::kernels

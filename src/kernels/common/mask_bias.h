@@ -14,6 +14,15 @@
 
 namespace flash_dmattn::kernels {
 
+// Which query row and head each row of a CTA's tile is (see ForwardParams::pack_group).
+struct RowMap {
+  int group;       // query heads packed per CTA (1: no packing)
+  int first_head;  // query head of packed row 0
+  int rows;        // packed rows in all: Sq · group
+  __device__ __forceinline__ int query(int packed_row) const { return packed_row / group; }
+  __device__ __forceinline__ int head(int packed_row) const { return first_head + packed_row % group; }
+};
+
 struct TileClass {
   bool skip;         // no visible key: no loads, no MMA, no softmax
   bool elementwise;  // some key may be hidden: apply mask, causal and length limits per element
@@ -22,14 +31,13 @@ struct TileClass {
 // kRows: query rows one thread holds in the accumulator layout.
 template <int kBlockM, int kBlockN, int kRows>
 struct MaskBiasPolicy {
-  static_assert(kBlockM % kSummaryBlock == 0 && kBlockN % kSummaryBlock == 0, "tiles are whole summary blocks");
 
   // Plain copies of what the policy reads: holding a reference to the __grid_constant__
   // parameters would take their address and move every access to generic memory.
   int seqlen_q, seqlen_k;
   bool causal;
   float scale, softcap;
-  int m_begin, m_end;  // query rows [m_begin, m_end) of this CTA that exist
+  int m_begin, m_end;  // query rows [m_begin, m_end) that the tile's rows belong to
   int diagonal;        // causal: row i sees keys j <= i + diagonal
   const std::uint8_t* summary = nullptr;  // this (batch, mask head)'s summary, or nullptr without a mask
   std::int64_t summary_row_stride = 0, summary_col_stride = 0;
@@ -44,15 +52,19 @@ struct MaskBiasPolicy {
   bool bias_shared_row = false;                                 // query dim of size 1
   ElementType bias_type = ElementType::float16;
 
-  // coords: the (row, col) in the tile of every accumulator element this thread holds.
+  // rows: what each packed row of the tile is; row0: the tile's first packed row; coords: the
+  // (row, col) in the tile of every accumulator element this thread holds. With packing, every
+  // row of the tile shares one mask head (the host packs only then), hence one summary.
   template <typename TensorC>
-  __device__ __forceinline__ MaskBiasPolicy(const ForwardParams& p, int b, int h, int m_block, const TensorC& coords)
+  __device__ __forceinline__ MaskBiasPolicy(const ForwardParams& p, int b, const RowMap& rows, int row0,
+                                            const TensorC& coords)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), scale(p.scale), softcap(p.softcap),
-        m_begin(m_block * kBlockM), m_end(min(m_block * kBlockM + kBlockM, p.seqlen_q)),
+        m_begin(rows.query(row0)), m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1),
         diagonal(p.seqlen_k - p.seqlen_q) {
     using namespace cute;
     if (p.summary.classes) {
-      summary = p.summary.classes + b * p.summary.batch_stride + (h / p.summary.head_divisor) * p.summary.head_stride;
+      summary = p.summary.classes + b * p.summary.batch_stride +
+                (rows.head(row0) / p.summary.head_divisor) * p.summary.head_stride;
       summary_row_stride = p.summary.row_stride;
       summary_col_stride = p.summary.col_stride;
     }
@@ -62,20 +74,24 @@ struct MaskBiasPolicy {
     bias_key_broadcast = p.bias.col_stride == 0;
     bias_shared_row = p.bias.row_stride == 0;
     bias_type = p.bias.type;
-    const auto* mask_base = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
-                            (h / p.mask.head_divisor) * p.mask.head_stride;
     const int bias_bytes = p.bias.type == ElementType::float32 ? 4 : 2;
-    const char* bias_base = static_cast<const char*>(p.bias.ptr) +
-                            bias_bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride);
-    Tensor rows = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
-    static_assert(decltype(size<0>(rows))::value == kRows);
+    Tensor tile_rows = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+    static_assert(decltype(size<0>(tile_rows))::value == kRows);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      row_index[r] = m_begin + get<0>(rows(r, 0));
+      const int packed = row0 + get<0>(tile_rows(r, 0));
+      const int h = rows.head(packed);
+      row_index[r] = rows.query(packed);
       const std::int64_t existing = min(row_index[r], p.seqlen_q - 1);
-      mask_row[r] = mask_base + existing * p.mask.row_stride;
-      bias_row[r] = bias_base + bias_bytes * existing * p.bias.row_stride;
+      mask_row[r] = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
+                    (h / p.mask.head_divisor) * p.mask.head_stride + existing * p.mask.row_stride;
+      bias_row[r] = static_cast<const char*>(p.bias.ptr) +
+                    bias_bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride +
+                                  existing * p.bias.row_stride);
     }
+    // With packing, rows of one query row share keys: a row-shared bias stays shared only if
+    // every packed row also reads the same bias head.
+    bias_shared_row = bias_shared_row && (rows.group == 1 || p.bias.head_divisor >= rows.group);
   }
 
   // One past the last key tile any row of this CTA can see.

@@ -1,4 +1,5 @@
-// The sm80 forward kernel entry and its launch: one CTA per (query tile, head, batch).
+// The sm80 forward kernel entry and its launch: one CTA per (query tile, head, batch, split).
+// With GQA packing the head index is the KV head and a query tile holds packed rows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +15,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   // Under causal masking the last query tiles see the most keys: start them first so that the
   // short ones fill the tail of the grid.
   const int m_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);
-  forward_tile<Traits>(params, smem, m_block, blockIdx.y, blockIdx.z);
+  const int b = static_cast<int>(blockIdx.z) / params.num_splits, split = static_cast<int>(blockIdx.z) % params.num_splits;
+  forward_tile<Traits>(params, smem, m_block, blockIdx.y, b, split);
 }
 
 template <typename Element, int kHeadDim>
@@ -26,7 +28,9 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (status != cudaSuccess) return status;
   }
-  const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.heads, params.batch);
+  const int rows = params.seqlen_q * params.pack_group;
+  const dim3 grid((rows + Traits::kBlockM - 1) / Traits::kBlockM, params.pack_group > 1 ? params.kv_heads : params.heads,
+                  params.batch * params.num_splits);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }

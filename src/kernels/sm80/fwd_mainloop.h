@@ -71,26 +71,52 @@ __device__ __forceinline__ void gemm_reg_smem(Acc& acc, const RegA& rA, RegB& rB
   }
 }
 
+// Copies query rows global -> shared with cp.async; each row's address comes from the row map
+// (packed rows of one tile belong to different heads). Rows past the end and head-dim columns
+// at or past `head_dim` are zero-filled.
+template <typename Element, typename TensorD, typename TensorC, typename RowPointer>
+__device__ __forceinline__ void copy_q_rows_async(TensorD& dst, const TensorC& coords, int valid_rows, int head_dim,
+                                                  RowPointer row_pointer) {
+  using namespace cute;
+  using Vector = cute::uint128_t;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(dst); ++m) {
+    const int row = get<0>(coords(0, m, 0));
+    const Element* src = row < valid_rows ? row_pointer(row) : nullptr;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(dst); ++k) {
+      const int col = get<1>(coords(0, m, k));
+      if (src && col < head_dim) {
+        auto& dst_vector = *reinterpret_cast<Vector*>(raw_pointer_cast(dst(_, m, k).data()));
+        SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src + col), dst_vector);
+      } else {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
 template <typename Traits>
-__device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int h, int b) {
+__device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int grid_head, int b,
+                                             int split) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int tid = threadIdx.x;
-  const int kv_h = h / (p.heads / p.kv_heads);
-  const int q_rows = p.seqlen_q - m_block * kBlockM;  // rows of this tile that exist
+  const int group = p.heads / p.kv_heads;
+  // With packing the grid's head index is the KV head; without, it is the query head.
+  const int kv_h = p.pack_group > 1 ? grid_head : grid_head / group;
+  const RowMap rows{p.pack_group, p.pack_group > 1 ? grid_head * p.pack_group : grid_head, p.seqlen_q * p.pack_group};
+  const int row0 = m_block * kBlockM;        // first packed row of this tile
+  const int tile_rows = rows.rows - row0;    // packed rows of this tile that exist (may exceed kBlockM)
 
-  // Global views of this (batch, head): (rows, head dim) with the caller's row stride.
-  auto global = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride, int head, int rows,
-                    std::int64_t row_stride) {
-    const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + head * head_stride;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(rows, p.head_dim), make_stride(row_stride, _1{}));
+  auto kv_global = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride) {
+    const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + kv_h * head_stride;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(p.seqlen_k, p.head_dim), make_stride(row_stride, _1{}));
   };
-  Tensor gQ = local_tile(global(p.q, p.q_batch_stride, p.q_head_stride, h, p.seqlen_q, p.q_row_stride),
-                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(global(p.k, p.k_batch_stride, p.k_head_stride, kv_h, p.seqlen_k, p.k_row_stride),
+  Tensor gK = local_tile(kv_global(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride),
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, D, key tiles)
-  Tensor gV = local_tile(global(p.v, p.v_batch_stride, p.v_head_stride, kv_h, p.seqlen_k, p.v_row_stride),
+  Tensor gV = local_tile(kv_global(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride),
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -102,7 +128,6 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   // Global -> shared copies, with the (row, column) of every vector for predication.
   typename Traits::GmemTiledCopyQKV gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tQgQ = gmem_thr.partition_S(gQ);
   Tensor tQsQ = gmem_thr.partition_D(sQ);
   Tensor tKgK = gmem_thr.partition_S(gK);
   Tensor tKsK = gmem_thr.partition_D(sK);
@@ -137,17 +162,30 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
 
-  const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(p, b, h, m_block, tScS);
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(p, b, rows, row0, tScS);
   ActiveTileWalk walk;
   OnlineSoftmax<kRows> softmax;
   softmax.init();
 
+  // This split's share of the key tiles: [n_split_begin, n_split_end).
+  const int n_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int n_split_begin = split * tiles_per_split;
+  const int n_split_end = min(n_tiles, n_split_begin + tiles_per_split);
+  auto next_active = [&](int n) {
+    const int next = walk.next_at_or_below(n, policy);
+    return next >= n_split_begin ? next : -1;
+  };
   auto load_kv = [&](auto& src, auto& dst, int n_block) {
     copy_rows_async(gmem_copy, src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
   };
 
-  copy_rows_async(gmem_copy, tQgQ, tQsQ, tQcQ, q_rows, p.head_dim);
-  int n_block = walk.next_at_or_below(policy.n_block_end() - 1, policy);
+  copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
+    const int packed = row0 + row;
+    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.query(packed) * p.q_row_stride +
+           rows.head(packed) * p.q_head_stride;
+  });
+  int n_block = next_active(min(policy.n_block_end(), n_split_end) - 1);
   if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
   cp_async_fence();
 
@@ -163,7 +201,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
     policy.apply(acc_s, tScS, n_block, elementwise);
 
-    const int next = walk.next_at_or_below(n_block - 1, policy);
+    const int next = next_active(n_block - 1);
     cp_async_wait<0>();
     __syncthreads();  // V of this tile has landed, and every warp is done reading K
     if (next >= 0) load_kv(tKgK, tKsK, next);
@@ -184,13 +222,34 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   float lse[kRows];
   softmax.finalize(acc_o_rows, lse);
 
-  // The quad's first thread (the one holding column 0) writes each row's LSE.
-  if (get<1>(tOcO_rows(0, 0)) == 0) {
-    float* lse_out = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + m_block * kBlockM;
+  if (p.num_splits > 1) {
+    // A partial result: fp32 output straight from the accumulators, and LSE -inf for rows that
+    // saw no visible key in this split, so that they weigh nothing in the combine.
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int row = get<0>(tOcO_rows(r, 0));
-      if (row < q_rows) lse_out[row] = lse[r];
+      const int packed = row0 + get<0>(tOcO_rows(r, 0));
+      if (packed >= rows.rows) continue;
+      const std::int64_t row = ((std::int64_t(split) * p.batch + b) * p.heads + rows.head(packed)) * p.seqlen_q +
+                               rows.query(packed);
+      if (get<1>(tOcO_rows(0, 0)) == 0) p.partial_lse[row] = lse[r] == INFINITY ? -INFINITY : lse[r];
+      float* out = p.partial_out + row * p.head_dim;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o_rows); ++c) {
+        const int col = get<1>(tOcO_rows(r, c));
+        if (col < p.head_dim) out[col] = acc_o_rows(r, c);
+      }
+    }
+    return;
+  }
+
+  // The quad's first thread (the one holding column 0) writes each row's LSE.
+  if (get<1>(tOcO_rows(0, 0)) == 0) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int packed = row0 + get<0>(tOcO_rows(r, 0));
+      if (packed < rows.rows) {
+        p.lse[b * p.lse_batch_stride + rows.head(packed) * p.lse_head_stride + rows.query(packed)] = lse[r];
+      }
     }
   }
 
@@ -201,23 +260,25 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   copy(smem_copy_o, smem_thr_o.retile_S(o_values), smem_thr_o.partition_D(sO));
   __syncthreads();
 
-  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
-  Tensor gO = local_tile(make_tensor(make_gmem_ptr(out), make_shape(p.seqlen_q, p.head_dim),
-                                     make_stride(p.out_row_stride, _1{})),
-                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  // Shared -> registers in 16-byte vectors, then each vector to its row's address.
   typename Traits::GmemTiledCopyO gmem_copy_o;
   auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
   Tensor tOsO = gmem_thr_o.partition_S(sO);
-  Tensor tOgO = gmem_thr_o.partition_D(gO);
-  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  Tensor tOrO = make_tensor<Element>(shape(tOsO));
   copy(gmem_copy_o, tOsO, tOrO);
-  Tensor tOcO_gmem = gmem_thr_o.partition_D(make_identity_tensor(make_shape(size<0>(sO), size<1>(sO))));
+  Tensor tOcO_gmem = gmem_thr_o.partition_S(make_identity_tensor(make_shape(size<0>(sO), size<1>(sO))));
   CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOgO); ++m) {
-    if (get<0>(tOcO_gmem(0, m, 0)) >= q_rows) continue;
+  for (int m = 0; m < size<1>(tOrO); ++m) {
+    const int packed = row0 + get<0>(tOcO_gmem(0, m, 0));
+    if (packed >= rows.rows) continue;
+    Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + rows.query(packed) * p.out_row_stride +
+                   rows.head(packed) * p.out_head_stride;
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOgO); ++k) {
-      if (get<1>(tOcO_gmem(0, m, k)) < p.head_dim) copy(gmem_copy_o, tOrO(_, m, k), tOgO(_, m, k));
+    for (int k = 0; k < size<2>(tOrO); ++k) {
+      const int col = get<1>(tOcO_gmem(0, m, k));
+      if (col < p.head_dim) {
+        *reinterpret_cast<cute::uint128_t*>(out + col) = *reinterpret_cast<const cute::uint128_t*>(&tOrO(0, m, k));
+      }
     }
   }
 }
