@@ -31,7 +31,6 @@ struct TileClass {
 // kRows: query rows one thread holds in the accumulator layout.
 template <int kBlockM, int kBlockN, int kRows>
 struct MaskBiasPolicy {
-
   // Plain copies of what the policy reads: holding a reference to the __grid_constant__
   // parameters would take their address and move every access to generic memory.
   int seqlen_q, seqlen_k;
@@ -89,8 +88,8 @@ struct MaskBiasPolicy {
                     bias_bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride +
                                   existing * p.bias.row_stride);
     }
-    // With packing, rows of one query row share keys: a row-shared bias stays shared only if
-    // every packed row also reads the same bias head.
+    // With packing, a thread's rows may belong to different query heads: the bias row stays
+    // shared only if they all read one bias head (a bias with 1 or Hk heads).
     bias_shared_row = bias_shared_row && (rows.group == 1 || p.bias.head_divisor >= rows.group);
   }
 
