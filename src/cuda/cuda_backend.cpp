@@ -114,7 +114,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
   // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
-  const std::int64_t group = p.heads / p.kv_heads;
+  const std::int64_t group = p.group_size();
   const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
 

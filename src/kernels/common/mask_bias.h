@@ -21,6 +21,11 @@ struct RowMap {
   int rows;        // packed rows in all: Sq · group
   __device__ __forceinline__ int query(int packed_row) const { return packed_row / group; }
   __device__ __forceinline__ int head(int packed_row) const { return first_head + packed_row % group; }
+  // Offset of a packed row in a tensor indexed by (query row, head) with these strides.
+  __device__ __forceinline__ std::int64_t offset(int packed_row, std::int64_t row_stride,
+                                                 std::int64_t head_stride) const {
+    return query(packed_row) * row_stride + head(packed_row) * head_stride;
+  }
 };
 
 struct TileClass {

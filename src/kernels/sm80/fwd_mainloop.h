@@ -182,8 +182,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
 
   copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
     const int packed = row0 + row;
-    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.query(packed) * p.q_row_stride +
-           rows.head(packed) * p.q_head_stride;
+    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
   int n_block = next_active(min(policy.n_block_end(), n_split_end) - 1);
   if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
@@ -229,8 +228,8 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     for (int r = 0; r < kRows; ++r) {
       const int packed = row0 + get<0>(tOcO_rows(r, 0));
       if (packed >= rows.rows) continue;
-      const std::int64_t row = ((std::int64_t(split) * p.batch + b) * p.heads + rows.head(packed)) * p.seqlen_q +
-                               rows.query(packed);
+      const std::int64_t row = (std::int64_t(split) * p.batch + b) * p.heads * p.seqlen_q +
+                               rows.offset(packed, 1, p.seqlen_q);
       if (get<1>(tOcO_rows(0, 0)) == 0) p.partial_lse[row] = lse[r] == INFINITY ? -INFINITY : lse[r];
       float* out = p.partial_out + row * p.head_dim;
       CUTE_UNROLL
@@ -248,7 +247,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     for (int r = 0; r < kRows; ++r) {
       const int packed = row0 + get<0>(tOcO_rows(r, 0));
       if (packed < rows.rows) {
-        p.lse[b * p.lse_batch_stride + rows.head(packed) * p.lse_head_stride + rows.query(packed)] = lse[r];
+        p.lse[b * p.lse_batch_stride + rows.offset(packed, 1, p.lse_head_stride)] = lse[r];
       }
     }
   }
@@ -271,8 +270,8 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   for (int m = 0; m < size<1>(tOrO); ++m) {
     const int packed = row0 + get<0>(tOcO_gmem(0, m, 0));
     if (packed >= rows.rows) continue;
-    Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + rows.query(packed) * p.out_row_stride +
-                   rows.head(packed) * p.out_head_stride;
+    Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
+                   rows.offset(packed, p.out_row_stride, p.out_head_stride);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tOrO); ++k) {
       const int col = get<1>(tOcO_gmem(0, m, k));
