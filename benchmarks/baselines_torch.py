@@ -2,7 +2,9 @@
 as flash_dmattn_bench_forward, so that both land in one run of scripts/gpu_check.sh.
 
 SDPA flash and cuDNN run with no mask and no bias (dense ceilings); SDPA's memory-efficient
-backend gets the mask folded into a float bias (what a user without this library would do).
+backend gets the mask folded into a float bias (what a user without this library would do),
+which requires grad in the backward, as a learned bias would. The backward is timed alone
+(autograd.grad on a retained graph), for the workloads that have one.
 CUDA-event medians after warm-up. Prints a table and, with --json, writes it.
 """
 import argparse
@@ -37,6 +39,14 @@ def median_ms(fn, runs):
     return sorted(times)[len(times) // 2]
 
 
+def backward_ms(forward, inputs, runs):
+    """Times the backward of forward(*inputs) alone, on a graph kept across runs."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    out = forward(*inputs)
+    dout = torch.randn_like(out)
+    return median_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), runs)
+
+
 def float_bias(B, H, Hk, Sq, Sk, causal, kind, window, bias):
     """The mask folded into an additive float bias of shape (B, H, Sq, Sk), KV heads expanded."""
     i = torch.arange(Sq, device="cuda")[:, None]
@@ -63,26 +73,31 @@ def main():
         v = torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16)
         dense_flops = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)
         row = {"workload": name}
+        has_backward = Sq > 1
         for label, backend in (("sdpa_flash_nomask", SDPBackend.FLASH_ATTENTION),
                                ("sdpa_cudnn_nomask", SDPBackend.CUDNN_ATTENTION)):
+            attention = lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal and Sq > 1, enable_gqa=True)
             try:
                 with sdpa_kernel(backend):
-                    ms = median_ms(lambda: F.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal and Sq > 1, enable_gqa=True), args.runs)
-                row[label] = ms
+                    row[label] = median_ms(lambda: attention(q, k, v), args.runs)
+                    if has_backward:
+                        row[label + "_bwd"] = backward_ms(attention, (q, k, v), args.runs)
             except RuntimeError as error:  # a backend that does not take this shape
-                row[label] = None
+                row[label] = row[label + "_bwd"] = None
                 print(f"{name}: {label} skipped: {str(error).splitlines()[0]}")
         bias = torch.rand(B, Hk, 1, Sk, device="cuda", dtype=torch.bfloat16) * 4 - 2
         try:
             mask_bias = float_bias(B, H, Hk, Sq, Sk, causal, kind, window, bias)
             ke, ve = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
+            attention = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                row["sdpa_efficient_floatmask"] = median_ms(
-                    lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask_bias), args.runs)
+                row["sdpa_efficient_floatmask"] = median_ms(lambda: attention(q, ke, ve, mask_bias), args.runs)
+                if has_backward:
+                    row["sdpa_efficient_floatmask_bwd"] = backward_ms(attention, (q, ke, ve, mask_bias), args.runs)
             del mask_bias, ke, ve
         except (RuntimeError, torch.OutOfMemoryError) as error:
-            row["sdpa_efficient_floatmask"] = None
+            row["sdpa_efficient_floatmask"] = row["sdpa_efficient_floatmask_bwd"] = None
             print(f"{name}: sdpa_efficient_floatmask skipped: {str(error).splitlines()[0]}")
         row["dense_flops"] = dense_flops
         rows.append(row)
@@ -98,11 +113,13 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"torch {torch.__version__} baselines, {device}, bf16, median of {args.runs} runs (CUDA events)")
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s (read + write)")
-    print(f"{'workload':24} {'flash ms':>10} {'cudnn ms':>10} {'eff+mask ms':>12}")
+    print(f"{'workload':24} {'flash ms':>10} {'cudnn ms':>10} {'eff+mask ms':>12} "
+          f"{'flash bwd':>10} {'cudnn bwd':>10} {'eff+mask bwd':>12}")
     fmt = lambda x: f"{x:10.3f}" if x is not None else f"{'-':>10}"
     for r in rows:
         print(f"{r['workload']:24} {fmt(r['sdpa_flash_nomask'])} {fmt(r['sdpa_cudnn_nomask'])} "
-              f"{fmt(r['sdpa_efficient_floatmask']):>12}")
+              f"{fmt(r['sdpa_efficient_floatmask']):>12} {fmt(r.get('sdpa_flash_nomask_bwd'))} "
+              f"{fmt(r.get('sdpa_cudnn_nomask_bwd'))} {fmt(r.get('sdpa_efficient_floatmask_bwd')):>12}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "runs": args.runs, "copy_tbps": copy_tbps,

@@ -1,10 +1,12 @@
-// flash_dmattn_bench_forward: times flash_dmattn::forward on the workloads of
+// flash_dmattn_bench_forward: times flash_dmattn::forward, and the backward (with dbias; default
+// and deterministic mode) where a workload has one, on the workloads of
 // ../shared/reference/anchors.md with CUDA events (warm-up, then the median of many runs), and
 // reports dense-equivalent and visited-tile TFLOP/s separately.
 //
 //   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME]
 //
-// Dense-equivalent FLOPs follow the anchors' convention: 4·B·H·Sq·Sk·D, halved when causal.
+// Dense-equivalent FLOPs follow the anchors' convention: 4·B·H·Sq·Sk·D, halved when causal
+// (10·B·H·Sq·Sk·D for the backward's five GEMMs).
 // Visited-tile FLOPs count 4·kBlockM·kBlockN·D for every (query tile, key tile) the kernel
 // computes: tiles with a visible key under the mask and the causal limit.
 #include <cuda_bf16.h>
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flash_dmattn/flash_dmattn.h"
@@ -44,6 +47,7 @@ struct Workload {
   MaskKind mask;
   int window;         // sliding_window: row i keeps keys (i - window, i]
   bool bias = true;   // (B, Hk, 1, Sk)
+  bool backward = true;
 };
 
 const Workload kWorkloads[] = {
@@ -56,7 +60,7 @@ const Workload kWorkloads[] = {
     {"train_window1024_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::sliding_window, 1024},
     {"train_dense_d64", 2, 16, 4, 8192, 8192, 64, true, MaskKind::all_true, 0},
     {"seed_dense_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::all_true, 0},
-    {"decode_sk131072_d128", 1, 32, 8, 1, 131072, 128, false, MaskKind::all_true, 0},
+    {"decode_sk131072_d128", 1, 32, 8, 1, 131072, 128, false, MaskKind::all_true, 0, true, false},
 };
 
 // Fresh pseudo-random values in [-1, 1) from a hash of the index: no host round trip.
@@ -103,7 +107,74 @@ struct Result {
   std::string name;
   double ms, dense_tflops, visited_tflops, tile_density;
   double kv_gbps;  // K and V bytes read once, over the time: the decode figure of merit
+  double bwd_ms = 0, bwd_dense_tflops = 0, bwd_deterministic_ms = 0;  // 0: no backward
 };
+
+// Median milliseconds of `launch` on `stream` after three warm-up calls.
+template <typename Launch>
+double median_ms(cudaStream_t stream, int runs, Launch launch) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < runs; ++i) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    launch();
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// The backward of the call `f` describes (its out and lse already computed), with dbias, in
+// default and deterministic mode: {default ms, deterministic ms}.
+std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs& f, int runs) {
+  using bf16 = __nv_bfloat16;
+  const std::int64_t nq = std::int64_t(w.B) * w.Sq * w.H * w.D, nk = std::int64_t(w.B) * w.Sk * w.Hk * w.D;
+  bf16 *dout, *dq, *dk, *dv, *dbias;
+  CHECK_CUDA(cudaMalloc(&dout, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dq, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dk, nk * 2));
+  CHECK_CUDA(cudaMalloc(&dv, nk * 2));
+  CHECK_CUDA(cudaMalloc(&dbias, std::int64_t(w.B) * w.Hk * w.Sk * 2));
+  fill_random<<<1024, 256>>>(dout, nq, 5, 1.f);
+  CHECK_CUDA(cudaGetLastError());
+  const fd::Device dev{fd::DeviceType::cuda, 0};
+  fd::BackwardArgs b;
+  b.q = f.q;
+  b.k = f.k;
+  b.v = f.v;
+  b.mask = f.mask;
+  b.bias = f.bias;
+  b.out = f.out;
+  b.lse = f.lse;
+  b.options = f.options;
+  b.dout = fd::make_contiguous_view(dout, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
+  b.dq = fd::make_contiguous_view(dq, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
+  b.dk = fd::make_contiguous_view(dk, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
+  b.dv = fd::make_contiguous_view(dv, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
+  if (w.bias) b.dbias = fd::make_contiguous_view(dbias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
+  const auto stream = static_cast<cudaStream_t>(f.options.stream);
+  double ms[2] = {0, 0};
+  for (const bool deterministic : {false, true}) {
+    b.deterministic = deterministic;
+    std::size_t bytes = 0;
+    fd::throw_if_error(fd::backward_workspace_size(b, &bytes));
+    b.workspace = {nullptr, bytes};
+    if (bytes) CHECK_CUDA(cudaMalloc(&b.workspace.data, bytes));
+    ms[deterministic] = median_ms(stream, runs, [&] { fd::throw_if_error(fd::backward(b)); });
+    cudaFree(b.workspace.data);
+  }
+  for (void* p : {(void*)dout, (void*)dq, (void*)dk, (void*)dv, (void*)dbias}) cudaFree(p);
+  return {ms[0], ms[1]};
+}
 
 Result run(const Workload& w, int runs) {
   using bf16 = __nv_bfloat16;
@@ -146,22 +217,8 @@ Result run(const Workload& w, int runs) {
   if (ws_bytes) CHECK_CUDA(cudaMalloc(&a.workspace.data, ws_bytes));
   a.workspace.bytes = ws_bytes;
 
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) fd::throw_if_error(fd::forward(a));
-  std::vector<float> times;
-  for (int i = 0; i < runs; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    fd::throw_if_error(fd::forward(a));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  const double ms = times[times.size() / 2];
+  const double ms = median_ms(stream, runs, [&] { fd::throw_if_error(fd::forward(a)); });
+  const auto [bwd_ms, bwd_deterministic_ms] = w.backward ? time_backward(w, a, runs) : std::pair<double, double>{0, 0};
   const double dense = 4.0 * w.B * w.H * double(w.Sq) * w.Sk * w.D * (w.causal ? 0.5 : 1.0);
   const double visited = visited_tile_flops(w);
   const auto tile = fd::kernels::sm80::forward_tile(w.D);
@@ -170,7 +227,8 @@ Result run(const Workload& w, int runs) {
   for (void* p : {(void*)q, (void*)k, (void*)v, (void*)out, (void*)bias, (void*)lse, (void*)mask, a.workspace.data}) cudaFree(p);
   cudaStreamDestroy(stream);
   const double kv_bytes = 2.0 * w.B * double(w.Sk) * w.Hk * w.D * 2;
-  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles, kv_bytes / ms / 1e6};
+  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles, kv_bytes / ms / 1e6,
+          bwd_ms, bwd_ms > 0 ? 2.5 * dense / bwd_ms / 1e9 : 0.0, bwd_deterministic_ms};
 }
 
 }  // namespace
@@ -196,11 +254,12 @@ int main(int argc, char** argv) {
     results.push_back(run(w, runs));
   }
   std::printf("flash_dmattn forward, %s, bf16, median of %d runs (CUDA events)\n", prop.name, runs);
-  std::printf("%-24s %10s %14s %16s %12s %10s\n", "workload", "fwd ms", "dense TFLOP/s", "visited TFLOP/s",
-              "tile density", "K/V GB/s");
+  std::printf("%-24s %10s %14s %16s %12s %10s %10s %10s %10s\n", "workload", "fwd ms", "dense TFLOP/s",
+              "visited TFLOP/s", "tile density", "K/V GB/s", "bwd ms", "bwd TFLOP/s", "det bwd ms");
   for (const Result& r : results) {
-    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f %10.0f\n", r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops,
-                r.tile_density, r.kv_gbps);
+    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f %10.0f %10.3f %10.1f %10.3f\n", r.name.c_str(), r.ms,
+                r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, r.bwd_ms, r.bwd_dense_tflops,
+                r.bwd_deterministic_ms);
   }
   if (json) {
     FILE* f = std::fopen(json, "w");
@@ -208,8 +267,9 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"dtype\": \"bfloat16\",\n  \"runs\": %d,\n  \"forward\": [\n", prop.name, runs);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f, \"kv_gbps\": %.1f}%s\n",
-                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, i + 1 < results.size() ? "," : "");
+      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f, \"kv_gbps\": %.1f, \"bwd_ms\": %.4f, \"bwd_dense_tflops\": %.2f, \"bwd_deterministic_ms\": %.4f}%s\n",
+                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, r.bwd_ms,
+                   r.bwd_dense_tflops, r.bwd_deterministic_ms, i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

@@ -21,7 +21,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
   ${CMAKE_EXTRA:-} > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+# -k 0: a target that fails to build does not keep the others (the benchmark, say) from running.
+cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$OUT/build.log" 2>&1 || grep -E "error|Error" "$OUT/build.log" | head -40
 build_s=$(( $(date +%s) - start ))
 
 start=$(date +%s)
@@ -47,7 +48,7 @@ fi
 
 san="skipped"
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
-  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*}"
+  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*}"
   san="memcheck:"
   timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"

@@ -2,6 +2,9 @@
 # Installs what the build needs, only where it is missing: a C++ toolchain, CMake, Ninja and
 # GoogleTest from Debian's packages, and, when nvcc is present, the pinned CuTe/CUTLASS headers
 # from PyPI. Safe to run again.
+#
+# With --python (scripts/test.sh passes it), also a virtual environment in build/python-venv with
+# numpy and pytest, into which the tests install the Python package.
 set -euo pipefail
 
 CUTLASS_PIN="nvidia-cutlass==4.2.0.0"
@@ -24,4 +27,13 @@ if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
     echo "setup: installing ${CUTLASS_PIN} (headers only, without its Python dependencies)"
     python3 -m pip install -q --no-deps "${CUTLASS_PIN}"
   fi
+fi
+
+if [ "${1:-}" = "--python" ]; then
+  venv="$(dirname "$0")/../build/python-venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating the virtual environment build/python-venv"
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install -q numpy pytest
 fi

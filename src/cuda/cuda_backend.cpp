@@ -6,13 +6,14 @@
 #include <climits>
 #include <string>
 
-#include "../backend.h"
 #include <algorithm>
 
+#include "../backend.h"
+#include "kernels/common/grad_passes.h"
 #include "kernels/common/split_combine.h"
 #include "kernels/common/tile_summary.h"
 #include "kernels/params.h"
-#include "kernels/sm80/forward.h"
+#include "kernels/sm80/entry_points.h"
 #include "kernels/sm80/tile_size.h"
 
 namespace flash_dmattn {
@@ -109,6 +110,15 @@ struct ForwardPlan {
   }
 };
 
+int multiprocessors(int device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // consume it: without the count the plans simply do not split
+    sms = 0;
+  }
+  return sms;
+}
+
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
   ForwardPlan plan;
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
@@ -124,12 +134,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
   const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
                             (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
   const std::int64_t key_tiles = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device.index) != cudaSuccess) {
-    cudaGetLastError();  // consume it: without the count the plan simply does not split
-    sms = 0;
-  }
-  const std::int64_t slots = std::int64_t(sms) * tile.ctas_per_sm;
+  const std::int64_t slots = std::int64_t(multiprocessors(p.device.index)) * tile.ctas_per_sm;
   if (ctas > 0 && ctas < slots && key_tiles > 1) {
     plan.num_splits = static_cast<int>(
         std::min<std::int64_t>({(2 * slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
@@ -140,6 +145,116 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
     plan.partial_lse_bytes = row_count * sizeof(float);
   }
   return plan;
+}
+
+// How a backward runs: the grid (one CTA per key tile, or in deterministic mode key_splits CTAs
+// striding over them), how dbias is produced, and the workspace layout that follows:
+// [tile summary][Δ][dq accumulators][dbias accumulators].
+struct BackwardPlan {
+  int key_tiles = 0;
+  int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
+  int dq_slots = 1;
+  kernels::BiasGrad dbias;  // everything but the pointers
+  std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
+
+  std::size_t workspace_bytes() const {
+    return align_up(summary_bytes) + align_up(dsum_bytes) + align_up(dq_accum_bytes) + align_up(dbias_accum_bytes);
+  }
+};
+
+BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p) {
+  BackwardPlan plan;
+  const auto tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
+  plan.key_tiles = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
+  const std::int64_t ctas_per_split = p.kv_heads * p.batch;
+  if (p.deterministic && ctas_per_split > 0) {
+    // At most one wave (a CTA past it would double the time), and no more: every dq slot costs a
+    // zeroed B·H·Sq·D fp32 buffer and a read in the reduction.
+    const std::int64_t wave = std::int64_t(multiprocessors(p.device.index)) * tile.ctas_per_sm;
+    plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
+    plan.dq_slots = plan.key_splits;
+  }
+  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
+  plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
+  plan.dq_accum_bytes = static_cast<std::size_t>(plan.dq_slots) * p.batch * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
+
+  if (!a.dbias) return plan;
+  kernels::BiasGrad& g = plan.dbias;
+  const TensorView& bias = *a.bias;
+  const std::int64_t bias_heads = bias.shape[1];
+  const bool rows = bias.shape[2] != 1, keys = bias.shape[3] != 1;
+  g.type = element_type(bias.dtype);
+  g.batches = bias.shape[0];
+  g.heads = bias_heads;
+  g.rows = bias.shape[2];
+  g.cols = bias.shape[3];
+  g.head_divisor = static_cast<int>(p.heads / bias_heads);
+  g.accum_row_stride = g.cols;
+  g.accum_head_stride = g.heads == 1 ? 0 : g.rows * g.cols;
+  g.accum_batch_stride = g.batches == 1 ? 0 : g.heads * g.rows * g.cols;
+  g.accum_slot_stride = g.batches * g.heads * g.rows * g.cols;
+  // A bias with key dim 1 adds a per-row constant, which cancels in the softmax: for every row,
+  // Σ_j dZ = Σ_j P·dP - Δ·Σ_j P = 0. Its gradient is exactly 0, written from a zeroed accumulator.
+  g.kind = !keys ? kernels::BiasGradKind::none
+                 : rows ? kernels::BiasGradKind::elements : kernels::BiasGradKind::columns;
+  // Which CTAs share a dbias element: those of other batches (a bias with one batch) and of other
+  // KV heads (a bias with fewer heads than K and V). Inside a CTA, the query heads of the GQA
+  // group may read one bias head too.
+  const bool batch_shared = bias.shape[0] == 1 && p.batch > 1;
+  const bool kv_shared = bias_heads < p.kv_heads;
+  const bool grid_empty = p.batch == 0 || p.heads == 0 || plan.key_tiles == 0;
+  const bool heads_in_cta = bias_heads != p.heads && p.group_size() > 1;
+  g.direct = keys && !grid_empty && !batch_shared && !kv_shared &&
+             (g.kind == kernels::BiasGradKind::columns || !heads_in_cta);
+  if (g.direct) return plan;
+  if (p.deterministic && keys) {
+    g.batch_slots = batch_shared ? static_cast<int>(p.batch) : 1;
+    g.kv_slots = kv_shared ? static_cast<int>(p.kv_heads / bias_heads) : 1;
+  }
+  plan.dbias_accum_bytes =
+      static_cast<std::size_t>(g.batch_slots) * g.kv_slots * g.accum_slot_stride * sizeof(float);
+  return plan;
+}
+
+kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p, const BackwardPlan& plan) {
+  ForwardArgs forward_view;
+  forward_view.q = a.q;
+  forward_view.k = a.k;
+  forward_view.v = a.v;
+  forward_view.mask = a.mask;
+  forward_view.bias = a.bias;
+  forward_view.out = a.out;
+  forward_view.lse = a.lse;
+  kernels::BackwardParams b;
+  b.fwd = forward_params(forward_view, p);
+  b.dout = a.dout.data;
+  b.dq = a.dq.data;
+  b.dk = a.dk.data;
+  b.dv = a.dv.data;
+  b.dout_batch_stride = a.dout.stride[0];
+  b.dout_row_stride = a.dout.stride[1];
+  b.dout_head_stride = a.dout.stride[2];
+  b.dq_batch_stride = a.dq.stride[0];
+  b.dq_row_stride = a.dq.stride[1];
+  b.dq_head_stride = a.dq.stride[2];
+  b.dk_batch_stride = a.dk.stride[0];
+  b.dk_row_stride = a.dk.stride[1];
+  b.dk_head_stride = a.dk.stride[2];
+  b.dv_batch_stride = a.dv.stride[0];
+  b.dv_row_stride = a.dv.stride[1];
+  b.dv_head_stride = a.dv.stride[2];
+  b.dbias = plan.dbias;
+  if (a.dbias) {
+    const TensorView& d = *a.dbias;
+    b.dbias.out = d.data;
+    b.dbias.batch_stride = d.shape[0] == 1 ? 0 : d.stride[0];
+    b.dbias.head_stride = d.shape[1] == 1 ? 0 : d.stride[1];
+    b.dbias.row_stride = d.shape[2] == 1 ? 0 : d.stride[2];
+  }
+  b.dq_slots = plan.dq_slots;
+  b.deterministic = p.deterministic;
+  b.key_splits = plan.key_splits;
+  return b;
 }
 
 // Makes the tensors' device current for the duration of a call, and restores the caller's.
@@ -172,13 +287,12 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
-    if (pass == Pass::backward) return std::string("the sm80 backward is not implemented yet");
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
     if (arch < 80) return "needs compute capability 8.0 or newer, device has " + std::to_string(arch / 10) + "." +
                           std::to_string(arch % 10);
     const ElementType element = element_type(p.dtype);
-    if (kernels::sm80::forward_head_dim_bucket(element, static_cast<int>(p.head_dim)) == 0) {
+    if (kernels::sm80::compiled_head_dim_bucket(element, static_cast<int>(p.head_dim)) == 0) {
       return "head dim " + std::to_string(p.head_dim) + " (" + dtype_name(p.dtype) + ") needs the head-dim " +
              std::to_string(kernels::sm80::head_dim_bucket(static_cast<int>(p.head_dim))) +
              " kernel, which this build does not include (FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
@@ -189,6 +303,18 @@ class CudaSm80Backend final : public BackendImpl {
           "head strides that are multiples of 8 elements");
     }
     if (p.batch > 65535 || p.heads > 65535) return std::string("supports at most 65535 batches and 65535 heads");
+    if (pass == Pass::backward) {
+      const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
+      int available = 0;
+      if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
+        cudaGetLastError();
+        return "cannot query the shared memory of CUDA device " + std::to_string(p.device.index);
+      }
+      if (needed > available) {
+        return "the backward at head dim " + std::to_string(p.head_dim) + " needs " + std::to_string(needed) +
+               " bytes of shared memory per block, the device allows " + std::to_string(available);
+      }
+    }
     if (p.seqlen_q > INT_MAX / 2 || p.seqlen_k > INT_MAX / 2) return std::string("supports lengths below 2^30");
     return std::nullopt;
   }
@@ -204,7 +330,9 @@ class CudaSm80Backend final : public BackendImpl {
     return p.empty() ? 0 : plan_forward(a, p).workspace_bytes();
   }
 
-  std::size_t backward_workspace_size(const BackwardArgs&, const Problem&) const override { return 0; }
+  std::size_t backward_workspace_size(const BackwardArgs& a, const Problem& p) const override {
+    return plan_backward(a, p).workspace_bytes();
+  }
 
   Status forward(const ForwardArgs& a, const Problem& p) const override {
     if (p.empty()) return Status::success();
@@ -234,8 +362,43 @@ class CudaSm80Backend final : public BackendImpl {
     return Status::success();
   }
 
-  Status backward(const BackwardArgs&, const Problem&) const override {
-    return Status::error(StatusCode::unsupported, "flash_dmattn.backward: the sm80 backward is not implemented yet");
+  Status backward(const BackwardArgs& a, const Problem& p) const override {
+    const DeviceGuard guard(p.device.index);
+    const auto stream = static_cast<cudaStream_t>(a.options.stream);
+    const BackwardPlan plan = plan_backward(a, p);
+    kernels::BackwardParams params = backward_params(a, p, plan);
+    char* workspace = static_cast<char*>(a.workspace.data);
+    std::size_t offset = align_up(plan.summary_bytes);
+    params.dsum = reinterpret_cast<float*>(workspace + offset);
+    offset += align_up(plan.dsum_bytes);
+    params.dq_accum = reinterpret_cast<float*>(workspace + offset);
+    offset += align_up(plan.dq_accum_bytes);
+    params.dbias.accum = reinterpret_cast<float*>(workspace + offset);
+
+    if (a.mask) {
+      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p.heads), workspace, stream,
+                                                        &params.fwd.summary);
+      if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
+    }
+    for (auto [bytes, where] : {std::make_pair(plan.dq_accum_bytes, static_cast<void*>(params.dq_accum)),
+                                std::make_pair(plan.dbias_accum_bytes, static_cast<void*>(params.dbias.accum))}) {
+      if (bytes == 0) continue;
+      const cudaError_t e = cudaMemsetAsync(where, 0, bytes, stream);
+      if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);
+    }
+    cudaError_t e = kernels::compute_dsum(params, stream);
+    if (e != cudaSuccess) return cuda_failure("the dO·O row-sum launch", e);
+    if (p.batch > 0 && p.kv_heads > 0) {
+      e = kernels::sm80::backward(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the sm80 backward launch", e);
+    }
+    e = kernels::reduce_dq(params, stream);
+    if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);
+    if (a.dbias && !plan.dbias.direct) {
+      e = kernels::reduce_bias_grad(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the dbias reduction launch", e);
+    }
+    return Status::success();
   }
 
  private:

@@ -1,5 +1,5 @@
 # The kernel instantiations a build may compile. cmake/FlashDmattnKernels.cmake reads these
-# lists, writes one translation unit per (family, dtype, head dim) and kernel_manifest.h, from
+# lists, writes one translation unit per (family, pass, dtype, head dim) and kernel_manifest.h, from
 # which dispatch learns what exists. FLASH_DMATTN_HEAD_DIMS and FLASH_DMATTN_DTYPES pick a subset
 # for fast iteration; the default is everything.
 set(FLASH_DMATTN_ALL_HEAD_DIMS 32 64 96 128 192 256)

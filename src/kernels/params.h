@@ -66,4 +66,57 @@ struct ForwardParams {
   float* partial_lse = nullptr;  // (num_splits, B, H, Sq)
 };
 
+// How the backward produces dbias (chosen on the host from the bias's shape, see
+// src/cuda/cuda_backend.cpp). dZ is summed in fp32 over every position that reads a bias element.
+enum class BiasGradKind : int {
+  none,      // no dbias requested, or one that is exactly 0 (a bias with key dim 1 cancels in the softmax)
+  elements,  // bias with query and key dims: one dZ (or a sum over query heads) per element
+  columns,   // bias with query dim 1: sums over a tile's rows, reduced in the CTA per key
+};
+
+// The dbias the backward writes: into `out` directly where a CTA is the only one to produce its
+// elements and holds each element's whole sum, otherwise into the fp32 `accum` (zeroed by the
+// host), which reduce_bias_grad() sums over slots and writes to `out`.
+struct BiasGrad {
+  BiasGradKind kind = BiasGradKind::none;
+  bool direct = false;
+  void* out = nullptr;  // bias's shape and dtype
+  ElementType type = ElementType::float16;
+  std::int64_t batch_stride = 0, head_stride = 0, row_stride = 0;  // 0 where the bias broadcasts; keys contiguous
+  int head_divisor = 1;  // query heads per bias head
+  // accum: (slots, bias batches, bias heads, bias rows, bias cols), contiguous; the batch and
+  // head strides are 0 where the bias has one batch or one head.
+  float* accum = nullptr;
+  std::int64_t batches = 0, heads = 0, rows = 0, cols = 0;  // the bias's shape
+  std::int64_t accum_slot_stride = 0, accum_batch_stride = 0, accum_head_stride = 0, accum_row_stride = 0;
+  // Deterministic mode gives every CTA that shares accumulator elements its own slot, which it
+  // updates with plain read-modify-writes in a fixed order: slot = batch_slot·kv_slots + kv slot.
+  // The default mode uses slot 0 and atomics.
+  int batch_slots = 1, kv_slots = 1;
+};
+
+struct BackwardParams {
+  ForwardParams fwd;  // q, k, v, out, lse, mask, bias, summary, sizes and options as in the forward
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  std::int64_t dout_batch_stride = 0, dout_row_stride = 0, dout_head_stride = 0;
+  std::int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  BiasGrad dbias;
+
+  // Workspace. dsum: (B, H, Sq) rowsum(dO∘O), FlashAttention's D. dq_accum: (dq_slots, B, H, Sq,
+  // head_dim) fp32, zeroed by the host; reduce_dq() sums the slots into dq.
+  float* dsum = nullptr;
+  float* dq_accum = nullptr;
+  int dq_slots = 1;
+  // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits key tiles s,
+  // s + key_splits, ... and owns dq slot s (plain read-modify-writes). Otherwise one CTA per key
+  // tile, and dq is accumulated with atomics into slot 0.
+  bool deterministic = false;
+  int key_splits = 1;
+};
+
 }  // namespace flash_dmattn::kernels

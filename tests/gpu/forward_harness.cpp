@@ -27,18 +27,6 @@ std::optional<HostTensor> random_operand(const std::optional<OperandShape>& shap
   return t;
 }
 
-// The library's way of saying that the build left out a kernel (FLASH_DMATTN_HEAD_DIMS and
-// FLASH_DMATTN_DTYPES pick subsets): `unsupported`, with a message naming the head dim as not
-// compiled ("... not compiled", or the sm80 backend's "... which this build does not include").
-bool head_dim_not_compiled(const Status& status) {
-  if (status.code() != StatusCode::unsupported) return false;
-  std::string message = status.message();
-  std::transform(message.begin(), message.end(), message.begin(),
-                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-  const auto has = [&](const char* words) { return message.find(words) != std::string::npos; };
-  return has("head dim") && (has("not compiled") || has("does not include"));
-}
-
 // A view of rows [first, first + rows) of dimension `dim` (the rest unchanged).
 TensorView slice(TensorView t, int dim, std::int64_t first, std::int64_t rows) {
   t.data = static_cast<char*>(t.data) + first * t.stride[dim] * static_cast<std::int64_t>(dtype_size(t.dtype));
@@ -47,6 +35,15 @@ TensorView slice(TensorView t, int dim, std::int64_t first, std::int64_t rows) {
 }
 
 }  // namespace
+
+bool head_dim_not_compiled(const Status& status) {
+  if (status.code() != StatusCode::unsupported) return false;
+  std::string message = status.message();
+  std::transform(message.begin(), message.end(), message.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  const auto has = [&](const char* words) { return message.find(words) != std::string::npos; };
+  return has("head dim") && (has("not compiled") || has("does not include"));
+}
 
 ForwardProblem ForwardProblem::random(const ForwardCase& c, std::mt19937_64& rng) {
   const Sizes& n = c.n;

@@ -63,6 +63,12 @@ struct GpuOutputs {
   HostTensor out, lse;
 };
 
+// The library's way of saying that the build left out a kernel (FLASH_DMATTN_HEAD_DIMS and
+// FLASH_DMATTN_DTYPES pick subsets): `unsupported`, with a message naming the head dim as not
+// compiled ("... not compiled", or the sm80 backend's "... which this build does not include").
+// Shared with the backward harness.
+bool head_dim_not_compiled(const Status& status);
+
 // True once the current test has been skipped or has failed fatally; helpers that may skip or
 // assert are followed by `if (test_stopped()) return;`.
 inline bool test_stopped() { return ::testing::Test::IsSkipped() || ::testing::Test::HasFatalFailure(); }

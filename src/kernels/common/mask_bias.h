@@ -33,6 +33,66 @@ struct TileClass {
   bool elementwise;  // some key may be hidden: apply mask, causal and length limits per element
 };
 
+// One (batch, mask head)'s tile summary. A kernel tile is a union of whole summary blocks, so its
+// class is the OR of their bytes.
+struct SummaryView {
+  const std::uint8_t* classes = nullptr;  // nullptr: no mask, every tile is visible
+  std::int64_t row_stride = 0, col_stride = 0;
+
+  __device__ __forceinline__ SummaryView(const TileSummary& s, int b, int query_head) {
+    if (s.classes) {
+      classes = s.classes + b * s.batch_stride + (query_head / s.head_divisor) * s.head_stride;
+      row_stride = s.row_stride;
+      col_stride = s.col_stride;
+    }
+  }
+
+  // Query rows [m_begin, m_end) x keys [n_begin, n_last]; call only with a mask.
+  __device__ __forceinline__ std::uint8_t bits(int m_begin, int m_end, int n_begin, int n_last) const {
+    std::uint8_t b = 0;
+    for (int r = m_begin / kSummaryBlock; r <= (m_end - 1) / kSummaryBlock; ++r)
+      for (int k = n_begin / kSummaryBlock; k <= n_last / kSummaryBlock; ++k)
+        b |= classes[r * row_stride + k * col_stride];
+    return b;
+  }
+
+  __device__ __forceinline__ void refine(TileClass& c, int m_begin, int m_end, int n_begin, int n_last) const {
+    if (!classes) return;
+    const std::uint8_t b = bits(m_begin, m_end, n_begin, n_last);
+    c.skip |= !(b & kTileHasVisible);
+    c.elementwise |= (b & kTileHasHidden) != 0;
+  }
+};
+
+// The backward's view of one key tile and one query head: classifies the query tiles against the
+// fixed key tile, for ActiveTileWalk over query tiles. Tiles wholly above the causal diagonal
+// are skipped by index arithmetic.
+template <int kBlockM, int kBlockN>
+struct QueryTileClassifier {
+  SummaryView summary;
+  int seqlen_q, seqlen_k, diagonal;
+  bool causal;
+  int n_begin, n_last;
+
+  __device__ __forceinline__ QueryTileClassifier(const ForwardParams& p, int b, int query_head, int n_block)
+      : summary(p.summary, b, query_head), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k),
+        diagonal(p.seqlen_k - p.seqlen_q), causal(p.causal), n_begin(n_block * kBlockN),
+        n_last(min(n_begin + kBlockN, p.seqlen_k) - 1) {}
+
+  // The first query tile with a row that can see a key of this tile.
+  __device__ __forceinline__ int first_m_block() const {
+    return causal ? max(0, n_begin - diagonal) / kBlockM : 0;
+  }
+
+  __device__ __forceinline__ TileClass classify(int m_block) const {
+    const int m_begin = m_block * kBlockM, m_end = min(m_begin + kBlockM, seqlen_q);
+    if (causal && n_begin > m_end - 1 + diagonal) return {true, false};
+    TileClass c{false, n_begin + kBlockN > seqlen_k || (causal && n_last > m_begin + diagonal)};
+    summary.refine(c, m_begin, m_end, n_begin, n_last);
+    return c;
+  }
+};
+
 // kRows: query rows one thread holds in the accumulator layout.
 template <int kBlockM, int kBlockN, int kRows>
 struct MaskBiasPolicy {
@@ -43,8 +103,7 @@ struct MaskBiasPolicy {
   float scale, softcap;
   int m_begin, m_end;  // query rows [m_begin, m_end) that the tile's rows belong to
   int diagonal;        // causal: row i sees keys j <= i + diagonal
-  const std::uint8_t* summary = nullptr;  // this (batch, mask head)'s summary, or nullptr without a mask
-  std::int64_t summary_row_stride = 0, summary_col_stride = 0;
+  SummaryView summary;  // this (batch, mask head)'s summary
   // Per row this thread holds: the query index, and where its mask and bias rows start. Rows
   // past Sq point at the last existing row: always in bounds, and their logits are discarded.
   // Computed once per CTA and shared by every specialization of apply().
@@ -64,14 +123,8 @@ struct MaskBiasPolicy {
                                             const TensorC& coords)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), scale(p.scale), softcap(p.softcap),
         m_begin(rows.query(row0)), m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1),
-        diagonal(p.seqlen_k - p.seqlen_q) {
+        diagonal(p.seqlen_k - p.seqlen_q), summary(p.summary, b, rows.head(row0)) {
     using namespace cute;
-    if (p.summary.classes) {
-      summary = p.summary.classes + b * p.summary.batch_stride +
-                (rows.head(row0) / p.summary.head_divisor) * p.summary.head_stride;
-      summary_row_stride = p.summary.row_stride;
-      summary_col_stride = p.summary.col_stride;
-    }
     has_mask = p.mask.ptr != nullptr;
     has_bias = p.bias.ptr != nullptr;
     mask_key_broadcast = p.mask.col_stride == 0;
@@ -108,14 +161,7 @@ struct MaskBiasPolicy {
   __device__ __forceinline__ TileClass classify(int n_block) const {
     const int n_begin = n_block * kBlockN, n_last = min(n_begin + kBlockN, seqlen_k) - 1;
     TileClass c{false, n_begin + kBlockN > seqlen_k || (causal && n_last > m_begin + diagonal)};
-    if (summary) {
-      std::uint8_t bits = 0;
-      for (int r = m_begin / kSummaryBlock; r <= (m_end - 1) / kSummaryBlock; ++r)
-        for (int k = n_begin / kSummaryBlock; k <= n_last / kSummaryBlock; ++k)
-          bits |= summary[r * summary_row_stride + k * summary_col_stride];
-      c.skip = !(bits & kTileHasVisible);
-      c.elementwise |= (bits & kTileHasHidden) != 0;
-    }
+    summary.refine(c, m_begin, m_end, n_begin, n_last);
     return c;
   }
 
@@ -124,10 +170,20 @@ struct MaskBiasPolicy {
   // so they pick one specialized loop per tile instead of being tested per element.
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise) const {
+    apply(s, coords, n_block, elementwise, [](int, int, float, float) {});
+  }
+
+  // The same, then emit(r, c, z, dcap) for every element, indexed by (row, col) of the
+  // accumulator_as_rows_cols view, with dcap = dz/d(scale·qk) / scale: 1 - tanh² of the capped
+  // argument under softcap, 1 without. The backward turns z into P and dZ right there, so no
+  // second fragment stays live.
+  template <typename TensorS, typename TensorC, typename Emit>
+  __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        Emit&& emit) const {
     if (softcap > 0.f) {
-      apply_bias_kind<true>(s, coords, n_block, elementwise);
+      apply_bias_kind<true>(s, coords, n_block, elementwise, emit);
     } else {
-      apply_bias_kind<false>(s, coords, n_block, elementwise);
+      apply_bias_kind<false>(s, coords, n_block, elementwise, emit);
     }
   }
 
@@ -144,45 +200,46 @@ struct MaskBiasPolicy {
     static constexpr bool kShared = kSharedRow;
   };
 
-  template <bool kSoftcap, typename TensorS, typename TensorC>
+  template <bool kSoftcap, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_bias_kind(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise) const {
+                                                  bool elementwise, Emit& emit) const {
     if (!has_bias) {
-      apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise);
+      apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise, emit);
     } else if (bias_type == ElementType::float32) {
-      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise, emit);
     } else if (bias_type == ElementType::bfloat16) {
-      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise, emit);
     } else {
-      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise);
+      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise, emit);
     }
   }
 
-  template <bool kSoftcap, typename T, typename TensorS, typename TensorC>
+  template <bool kSoftcap, typename T, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_bias_rows(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise) const {
+                                                  bool elementwise, Emit& emit) const {
     if (bias_shared_row) {
-      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise);
+      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise, emit);
     } else {
-      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise);
+      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise, emit);
     }
   }
 
-  template <bool kSoftcap, typename Bias, typename TensorS, typename TensorC>
+  template <bool kSoftcap, typename Bias, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_elementwise(TensorS& s, const TensorC& coords, int n_block,
-                                                    bool elementwise) const {
+                                                    bool elementwise, Emit& emit) const {
     if (elementwise) {
-      apply_tile<kSoftcap, Bias, true>(s, coords, n_block);
+      apply_tile<kSoftcap, Bias, true>(s, coords, n_block, emit);
     } else {
-      apply_tile<kSoftcap, Bias, false>(s, coords, n_block);
+      apply_tile<kSoftcap, Bias, false>(s, coords, n_block, emit);
     }
   }
 
   // Works on the (rows, cols) view of the tile. Keys are contiguous or broadcast (validated: key
   // stride 1, or 0 for size 1), so a key's offset is j or 0, computed from the tile's first key:
   // loop-variant, where per-element offsets from strides would be hoisted into registers.
-  template <bool kSoftcap, typename Bias, bool kElementwise, typename TensorS, typename TensorC>
-  __device__ __forceinline__ void apply_tile(TensorS& s_flat, const TensorC& coords_flat, int n_block) const {
+  template <bool kSoftcap, typename Bias, bool kElementwise, typename TensorS, typename TensorC, typename Emit>
+  __device__ __forceinline__ void apply_tile(TensorS& s_flat, const TensorC& coords_flat, int n_block,
+                                             Emit& emit) const {
     using namespace cute;
     constexpr bool kBias = !std::is_same_v<Bias, NoBias>;
     Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
@@ -210,9 +267,11 @@ struct MaskBiasPolicy {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const int j = n_begin + get<1>(coords(0, c));
-        float z;
+        float z, dcap = 1.f;
         if constexpr (kSoftcap) {
-          z = softcap * tanhf(s(r, c) * logit_scale);
+          const float t = tanhf(s(r, c) * logit_scale);
+          z = softcap * t;
+          dcap = fmaf(-t, t, 1.f);
           if constexpr (kBias) z += Bias::kShared ? shared_bias[c] : bias_at(r, j);
         } else if constexpr (kBias) {
           z = fmaf(s(r, c), logit_scale, Bias::kShared ? shared_bias[c] : bias_at(r, j));
@@ -225,6 +284,7 @@ struct MaskBiasPolicy {
           if (!visible) z = -INFINITY;
         }
         s(r, c) = z;
+        emit(r, c, z, dcap);
       }
     }
   }

@@ -24,4 +24,23 @@ constexpr ForwardTile forward_tile(int head_dim) {
   return {128, 64, 8, 1};
 }
 
+// The backward: a CTA owns one key tile of block_n keys (its dK and dV stay in registers) and
+// walks the query tiles of block_m rows. Its three GEMM shapes spread 8 warps differently:
+//   S = Q·Kᵀ and dP = dO·Vᵀ   (block_m x block_n): sdp_warps_m x (8 / sdp_warps_m)
+//   dV += Pᵀ·dO, dK += dSᵀ·Q  (block_n x D):       dkv_warps_n x (8 / dkv_warps_n)
+//   dQ = dS·K                 (block_m x D):       dq_warps_m x (8 / dq_warps_m)
+// FlashAttention-2's sm80 shapes; D > 128 halves block_n so that dK and dV fit in registers.
+struct BackwardTile {
+  int block_m, block_n, warps;
+  int sdp_warps_m, dkv_warps_n, dq_warps_m;
+  int ctas_per_sm;
+  bool double_buffer;  // Q and dO of the next query tile load while the current one computes
+};
+
+constexpr BackwardTile backward_tile(int head_dim) {
+  if (head_dim <= 64) return {64, 128, 8, 2, 4, 4, 1, true};
+  if (head_dim <= 128) return {64, 64, 8, 4, 2, 4, 1, true};
+  return {64, 64, 8, 4, 2, 4, 1, false};
+}
+
 }  // namespace flash_dmattn::kernels::sm80

@@ -1,0 +1,1 @@
+"""Bridges to other libraries; each module imports its library only when it is imported itself."""

@@ -1,0 +1,166 @@
+"""flash_dmattn_func: upstream's call, on torch tensors.
+
+What happens here, before the custom op (torch_ops.py) runs:
+  1. autocast: under torch.autocast, q, k and v (float32 ones too) run in the autocast dtype;
+  2. checks: every argument is checked on shapes, dtypes and devices alone, so a bad call raises
+     TypeError or ValueError before any launch, also while torch.compile traces;
+  3. broadcasting: a mask dimension of stride 0 (an expand() view) becomes a size-1 dimension,
+     which the kernels read through a zero stride: nothing is materialized.
+Autograd, torch.compile and CUDA graphs then see the custom op, which pads head dims that are not
+a multiple of 8 and cuts the results back. docs/python.md has the details.
+"""
+import math
+
+import torch
+
+from . import torch_ops
+
+_MAX_HEAD_DIM = 256
+
+
+def _fail(error, argument: str, message: str):
+    raise error(f"flash_dmattn_func: argument '{argument}': {message}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _check_tensor(argument: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, argument, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(ValueError, argument, f"expected {ndim} dims {layout}, got shape {_shape(t)}")
+
+
+def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_heads: int, seqlen_q: int,
+                     seqlen_k: int) -> None:
+    """Each dim of a mask or bias is 1 or full; heads are 1, Hk or H (docs/semantics.md §2)."""
+    allowed = ((1, batch), (1, kv_heads, heads), (1, seqlen_q), (1, seqlen_k))
+    names = ("batch", "heads", "query", "key")
+    for d, (size, ok) in enumerate(zip(t.shape, allowed)):
+        if size not in ok:
+            _fail(ValueError, argument, f"expected {names[d]} size (dim {d}) in {sorted(set(ok))}, got {size} in "
+                                        f"shape {_shape(t)} (layout (B|1, H|Hk|1, Sq|1, Sk|1))")
+
+
+def _check_types(query, key, value, attn_mask, attn_bias) -> None:
+    _check_tensor("query", query, 4, "(B, Sq, H, D)")
+    _check_tensor("key", key, 4, "(B, Sk, Hk, D)")
+    _check_tensor("value", value, 4, "(B, Sk, Hk, D)")
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None:
+            _check_tensor(name, t, 4, "(B|1, H|Hk|1, Sq|1, Sk|1)")
+
+
+def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
+    """Dtypes, devices and shapes, after autocast."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        _fail(TypeError, "query", f"expected dtype float16 or bfloat16 (or float32 under torch.autocast), got "
+                                  f"{query.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            _fail(TypeError, name, f"expected the dtype of query ({query.dtype}), got {t.dtype}")
+    for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None and t.device != query.device:
+            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+    batch, seqlen_q, heads, head_dim = query.shape
+    seqlen_k, kv_heads = key.shape[1], key.shape[2]
+    if not 0 < head_dim <= _MAX_HEAD_DIM:
+        _fail(ValueError, "query", f"expected a head dim (dim 3) in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    if key.shape[0] != batch or key.shape[3] != head_dim:
+        _fail(ValueError, "key", f"expected shape (B={batch}, Sk, Hk, D={head_dim}), got {_shape(key)}")
+    if heads == 0 or kv_heads == 0 or heads % kv_heads != 0:
+        _fail(ValueError, "key", f"expected a head count Hk (dim 2) >= 1 that divides the H={heads} of query, "
+                                 f"got {kv_heads}")
+    if value.shape != key.shape:
+        _fail(ValueError, "value", f"expected the shape of key {_shape(key)}, got {_shape(value)}")
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None:
+            _check_broadcast(name, t, batch, heads, kv_heads, seqlen_q, seqlen_k)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        _fail(TypeError, "attn_mask", f"expected dtype torch.bool (True keeps a key), got {attn_mask.dtype}")
+    if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
+        _fail(TypeError, "attn_bias", f"expected the dtype of query ({query.dtype}) or torch.float32, got "
+                                      f"{attn_bias.dtype}")
+
+
+def _check_options(softmax_scale, softcap) -> None:
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        _fail(ValueError, "softmax_scale", f"expected a finite value > 0, got {softmax_scale}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail(ValueError, "softcap", f"expected a finite value >= 0 (0 turns it off), got {softcap}")
+
+
+def _autocast(query, key, value, attn_bias):
+    """Under torch.autocast, q, k and v run in the autocast dtype, as a matmul would.
+
+    A float32 bias stays as it is (the kernels read it at full precision); a bias of another
+    dtype follows q. Autograd returns each gradient in its tensor's own dtype.
+    """
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value, attn_bias
+    dtype = torch.get_autocast_dtype(device_type)
+    query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+    if attn_bias is not None and attn_bias.dtype not in (dtype, torch.float32):
+        attn_bias = attn_bias.to(dtype)
+    return query, key, value, attn_bias
+
+
+def _compact_broadcast(t: torch.Tensor) -> torch.Tensor:
+    """Turns each zero-stride dim of size > 1 (an expand() view) into a size-1 view of it.
+
+    The kernels read a size-1 dim through stride 0, so nothing is copied and a smaller tensor is
+    read; the key dim then also meets the library's rule that the last dim be contiguous.
+    """
+    for d in range(t.dim()):
+        if t.size(d) > 1 and t.stride(d) == 0:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.size(-1) == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
+                      softcap=None, deterministic=None, return_attn_probs=None):
+    """Attention with a dynamic boolean mask and an additive bias (docs/semantics.md).
+
+    Args:
+        query: (B, Sq, H, D), float16 or bfloat16 (float32 under torch.autocast).
+        key, value: (B, Sk, Hk, D), query's dtype; Hk divides H (GQA/MQA).
+        attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient.
+        attn_bias: optional additive bias, same broadcast shapes, query's dtype or float32. Its
+            gradient has the bias's own shape and dtype (summed over its size-1 dims).
+        softmax_scale: default 1/sqrt(D) of the unpadded head dim.
+        is_causal: default False; bottom-right aligned (key j is visible from row i iff
+            j <= i + Sk - Sq).
+        softcap: default 0 (off); logits become softcap * tanh(logits / softcap) before the bias.
+        deterministic: default False; True makes the backward bitwise reproducible.
+        return_attn_probs: default False; True returns (out, lse, None): lse is the (B, H, Sq)
+            float32 log-sum-exp; the probabilities are never materialized, so the third is None.
+
+    Returns:
+        out (B, Sq, H, D) in query's dtype, or the tuple above.
+    """
+    _check_types(query, key, value, attn_mask, attn_bias)
+    query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
+    _check_operands(query, key, value, attn_mask, attn_bias)
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
+    softcap = 0.0 if softcap is None else float(softcap)
+    _check_options(softmax_scale, softcap)
+
+    if attn_mask is not None:
+        attn_mask = _last_dim_contiguous(_compact_broadcast(attn_mask))
+    if attn_bias is not None:
+        # A bias that needs a gradient keeps its expanded shape: autograd wants a gradient of that
+        # shape. Pass real size-1 dims to get the reduced dbias straight from the kernel.
+        if not attn_bias.requires_grad:
+            attn_bias = _compact_broadcast(attn_bias)
+        attn_bias = _last_dim_contiguous(attn_bias)
+
+    out, lse = torch_ops.forward(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
+                                 bool(deterministic))
+    return (out, lse, None) if return_attn_probs else out

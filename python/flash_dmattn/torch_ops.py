@@ -1,0 +1,149 @@
+"""The torch custom ops behind flash_dmattn_func: flash_dmattn::forward and flash_dmattn::backward.
+
+Each op has a real implementation (the compiled module, on the tensors' device), a fake one (shapes
+and dtypes only, for torch.compile and meta tensors) and, for the forward, an autograd formula that
+calls the backward op. torch.compile sees two opaque ops and traces through without a graph break.
+
+The real implementations launch on torch.cuda.current_stream(), take scratch memory from torch's
+caching allocator and never synchronize, so they can be captured in a CUDA graph. They expect the
+checked arguments that interface.flash_dmattn_func prepares, and pad head dims themselves: the
+padding and the default scale (from the unpadded head dim) then stay out of traced graphs, where
+a dynamic head dim would make them symbolic.
+
+No `from __future__ import annotations` here: torch.library reads the annotations as types.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _C
+
+_HEAD_DIM_MULTIPLE = 8
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.bool: "bool"}
+
+
+def _view(t: torch.Tensor):
+    return _C.View(t.data_ptr(), _DTYPE_NAMES[t.dtype], t.shape, t.stride(), t.device.type, t.device.index or 0)
+
+
+def _optional_view(t: Optional[torch.Tensor]):
+    return None if t is None else _view(t)
+
+
+def _stream(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    if not _C.cuda_compiled:
+        raise RuntimeError(
+            "flash_dmattn: this installation was built without the CUDA backends (no nvcc was found when it was "
+            "installed, or FLASH_DMATTN_CUDA=OFF), so it runs CPU tensors only; reinstall with nvcc on PATH")
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where the CUDA kernels' vector loads need one.
+
+    They load q, k, v and dout rows as 16-byte vectors: the base address and every stride but the
+    last must be whole vectors (8 elements), and the last dim contiguous. Views from reshapes,
+    transposes and slices of whole heads already are; anything else is copied.
+    """
+    if t.device.type != "cuda":
+        return t
+    aligned = (t.data_ptr() % 16 == 0 and (t.size(-1) == 1 or t.stride(-1) == 1)
+               and all(t.size(d) == 1 or t.stride(d) % 8 == 0 for d in range(t.dim() - 1)))
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
+
+
+def _run(call, size_of, args, device: torch.device) -> None:
+    """Runs one call with a workspace from torch's allocator, on the current stream."""
+    nbytes = size_of(args)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    call(args, workspace.data_ptr(), nbytes)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """t with its last dim zero-padded to a multiple of 8, the kernels' head-dim granularity.
+
+    Zeros add nothing to q.k, and the padded columns of v only make output columns that are cut
+    off again; the default scale is taken from the unpadded head dim.
+    """
+    pad = -t.size(-1) % _HEAD_DIM_MULTIPLE
+    return F.pad(t, (0, pad)) if pad else t
+
+
+def _unpadded(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The first head_dim columns, as a tensor of its own (the fake implementations promise contiguous outputs)."""
+    return t if t.size(-1) == head_dim else t[..., :head_dim].contiguous()
+
+
+@torch.library.custom_op("flash_dmattn::forward", mutates_args=())
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, softcap: float,
+            deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` only reaches the backward: setup_context sees the forward's inputs alone.
+    batch, seqlen_q, heads, head_dim = q.shape
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    q, k, v = (_rows_aligned(_padded(t)) for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    args = _C.ForwardArgs(_view(q), _view(k), _view(v), _view(out), _view(lse),
+                          mask=_optional_view(mask), bias=_optional_view(bias), softmax_scale=scale,
+                          causal=causal, softcap=softcap, stream=_stream(q.device))
+    _run(_C.forward, _C.forward_workspace_size, args, q.device)
+    return _unpadded(out, head_dim), lse
+
+
+@forward.register_fake
+def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_dmattn::backward", mutates_args=())
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float],
+             causal: bool, softcap: float, deterministic: bool,
+             bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias); dbias is empty unless bias_grad (a custom op cannot return None)."""
+    head_dim = q.size(-1)
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    # Autograd hands over gradients of any layout (a sum's gradient is an all-zero-stride expand).
+    dout = _rows_aligned(_padded(dout.contiguous()))
+    q, k, v, out = (_rows_aligned(_padded(t)) for t in (q, k, v, out))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else q.new_empty(0)
+    args = _C.BackwardArgs(_view(q), _view(k), _view(v), _view(out), _view(lse), _view(dout), _view(dq), _view(dk),
+                           _view(dv), mask=_optional_view(mask), bias=_optional_view(bias),
+                           dbias=_view(dbias) if bias_grad else None, softmax_scale=scale, causal=causal,
+                           softcap=softcap, deterministic=deterministic, stream=_stream(q.device))
+    _run(_C.backward, _C.backward_workspace_size, args, q.device)
+    return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
+
+
+@backward.register_fake
+def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, bias_grad):
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic = inputs
+    out, lse = output
+    # Saved whichever inputs require grad: a call where only the bias does needs them all too.
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.options = (softmax_scale, causal, softcap, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    bias_grad = bias is not None and needs[4]
+    dq, dk, dv, dbias = backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, bias_grad)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
+            dbias if bias_grad else None, None, None, None, None)
+
+
+forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,124 @@
+// dBias in the backward: dZ summed over every position that reads a bias element, in fp32.
+//
+// Each thread adds the dZ of the accumulator elements it holds, in the shape the bias asks for
+// (BiasGradKind): a whole element, or a per-key column sum (bias query dim 1). Column sums are
+// reduced across the CTA through shared memory in a fixed order (shuffles, then warps in index
+// order), so the result is bitwise reproducible; only the cross-CTA accumulation of the default
+// mode uses atomics. A bias with key dim 1 never gets here: its gradient is exactly 0.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cstdint>
+
+#include "kernels/params.h"
+
+namespace flash_dmattn::kernels {
+
+__device__ __forceinline__ void store_as(ElementType type, void* base, std::int64_t offset, float x) {
+  switch (type) {
+    case ElementType::float32: static_cast<float*>(base)[offset] = x; break;
+    case ElementType::bfloat16: static_cast<cute::bfloat16_t*>(base)[offset] = cute::bfloat16_t(x); break;
+    default: static_cast<cute::half_t*>(base)[offset] = cute::half_t(x); break;
+  }
+}
+
+// kCols: the columns of the accumulator's rows/cols view that a thread holds. kWarpsM: the warp
+// rows of the S = Q·Kᵀ GEMM (warp w sits at row w % kWarpsM).
+template <int kBlockM, int kBlockN, int kCols, int kWarpsM, int kThreads>
+struct BiasGradTile {
+  BiasGradKind kind;
+  bool direct, deterministic;
+  // A plain copy: taking the address of the __grid_constant__ parameters would move every access
+  // to generic memory (fields used only on rare paths are re-read from parameter space).
+  BiasGrad g;
+  std::int64_t slot_base;  // this CTA's accumulator slot
+  int batch;
+  float col_sum[kCols];  // columns: this thread's part of the current bias head's key sums
+
+  __device__ __forceinline__ BiasGradTile(const BackwardParams& p, int b, int kv_head)
+      : kind(p.dbias.kind), direct(p.dbias.direct), deterministic(p.deterministic), g(p.dbias), batch(b) {
+    const int batch_slot = g.batch_slots > 1 ? b : 0;
+    const int kv_slot = kv_head % g.kv_slots;
+    slot_base = (std::int64_t(batch_slot) * g.kv_slots + kv_slot) * g.accum_slot_stride;
+    clear_columns();
+  }
+
+  __device__ __forceinline__ void clear_columns() {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) col_sum[c] = 0.f;
+  }
+
+  __device__ __forceinline__ std::int64_t accum_offset(int head, int i, int j) const {
+    return slot_base + batch * g.accum_batch_stride + (head / g.head_divisor) * g.accum_head_stride +
+           i * g.accum_row_stride + j;
+  }
+
+  __device__ __forceinline__ void accumulate(std::int64_t offset, float x) const {
+    float* a = g.accum + offset;
+    if (deterministic) {
+      *a += x;
+    } else {
+      atomicAdd(a, x);
+    }
+  }
+
+  // dZ of element c of the thread's fragment row, at query row i and key j of head `head`.
+  __device__ __forceinline__ void add(int c, int head, int i, int j, int seqlen_q, int seqlen_k, float dz) {
+    if (kind == BiasGradKind::columns) {
+      col_sum[c] += dz;
+    } else if (kind == BiasGradKind::elements && i < seqlen_q && j < seqlen_k) {
+      if (direct) {
+        store_as(g.type, g.out,
+                 batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + i * g.row_stride + j, dz);
+      } else if (dz != 0.f) {
+        accumulate(accum_offset(head, i, j), dz);
+      }
+    }
+  }
+
+  // elements, direct: a query tile that the walk skipped still owns its dbias elements, which are 0.
+  __device__ __forceinline__ void zero_tiles(int head, int m_block_begin, int m_block_end, int n_begin, int seqlen_q,
+                                             int seqlen_k) const {
+    if (kind != BiasGradKind::elements || !direct || m_block_begin >= m_block_end) return;
+    const int row_begin = m_block_begin * kBlockM, rows = min(m_block_end * kBlockM, seqlen_q) - row_begin;
+    const int cols = min(kBlockN, seqlen_k - n_begin);
+    const std::int64_t base = batch * g.batch_stride + (head / g.head_divisor) * g.head_stride;
+    for (int e = threadIdx.x; e < rows * kBlockN; e += kThreads) {
+      const int i = row_begin + e / kBlockN, j = e % kBlockN;
+      if (j < cols) store_as(g.type, g.out, base + i * g.row_stride + n_begin + j, 0.f);
+    }
+  }
+
+  // columns: the key sums of one bias head over every query tile the CTA visited, reduced across
+  // the CTA and written once (or accumulated, when other CTAs share the elements). Contains
+  // barriers: every thread calls it.
+  template <typename TensorC>
+  __device__ __forceinline__ void flush_columns(const TensorC& coords_rc, float* reduce, int head, int n_begin,
+                                                int seqlen_k) {
+    if (kind != BiasGradKind::columns) return;
+    const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 % kWarpsM;
+    __syncthreads();  // the reduce buffer is free
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      float x = col_sum[c];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (lane / 4 == 0) reduce[warp_m * kBlockN + cute::get<1>(coords_rc(0, c))] = x;
+    }
+    clear_columns();
+    __syncthreads();
+    for (int j = threadIdx.x; j < kBlockN; j += kThreads) {
+      if (n_begin + j >= seqlen_k) continue;
+      float x = 0.f;
+      for (int w = 0; w < kWarpsM; ++w) x += reduce[w * kBlockN + j];
+      if (direct) {
+        store_as(g.type, g.out, batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + n_begin + j, x);
+      } else if (x != 0.f) {
+        accumulate(accum_offset(head, 0, n_begin + j), x);
+      }
+    }
+  }
+};
+
+}  // namespace flash_dmattn::kernels

@@ -1,0 +1,307 @@
+// The sm80 backward for one (key tile, KV head, batch): dK and dV of the tile stay in registers
+// while the CTA walks, for each query head of the GQA group, the query tiles that see a key of
+// the tile. The loop body is the algorithm:
+//   dP = dO·Vᵀ,  S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - LSE)
+//   dZ = P∘(dP - Δ) (-> dBias),  dS = dZ·(1 - tanh²)  ->  dV += Pᵀ·dO,  dQ += dS·K,  dK += dSᵀ·Q
+// with P and dS passed through shared memory in the input dtype, and the next query tile's Q and
+// dO loaded by cp.async behind the math. scale is applied to dQ and dK once, at the end.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/common/bias_grad.h"
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/common/mask_bias.h"
+#include "kernels/common/softmax.h"
+#include "kernels/params.h"
+#include "kernels/sm80/bwd_traits.h"
+#include "kernels/sm80/gemm.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+// The same tensor one shared-memory stage further on.
+template <typename Tensor>
+__device__ __forceinline__ auto at_stage(const Tensor& t, int stage, int stage_elems) {
+  return cute::make_tensor(t.data() + stage * stage_elems, t.layout());
+}
+
+// Writes an accumulator (rows, D) to global memory in Element, times `factor`: pairs of
+// neighbouring columns as one 4-byte store, rows at or past `valid_rows` and columns at or past
+// `head_dim` skipped.
+template <typename Element, typename Acc, typename TensorC>
+__device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords, Element* base, std::int64_t row_stride,
+                                           int valid_rows, int head_dim, float factor) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) {
+    const int row = get<0>(coords(e)), col = get<1>(coords(e));
+    if (row < valid_rows && col < head_dim) {
+      cutlass::NumericArrayConverter<Element, float, 2> convert;
+      cutlass::Array<float, 2> pair;
+      pair[0] = acc(e) * factor;
+      pair[1] = acc(e + 1) * factor;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(base + row * row_stride + col) = convert(pair);
+    }
+  }
+}
+
+// dq_accum += dQ of one query tile. Default mode: fp32 atomics (fire-and-forget reductions).
+// Deterministic mode: this CTA owns its slot and each element always belongs to the same thread,
+// so plain read-modify-writes in loop order are reproducible; every load is issued before the
+// first add, since the compiler cannot tell that the stores do not alias the later loads.
+template <typename Acc, typename TensorC>
+__device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coords, float* rows, int row0, int seqlen_q,
+                                              int head_dim, bool deterministic) {
+  using namespace cute;
+  constexpr int kElems = decltype(size(acc))::value;
+  auto in_bounds = [&](int e) { return row0 + get<0>(coords(e)) < seqlen_q && get<1>(coords(e)) < head_dim; };
+  auto address = [&](int e) { return rows + std::int64_t(row0 + get<0>(coords(e))) * head_dim + get<1>(coords(e)); };
+  if (!deterministic) {
+    CUTE_UNROLL
+    for (int e = 0; e < kElems; ++e)
+      if (in_bounds(e)) atomicAdd(address(e), acc(e));
+    return;
+  }
+  float old[kElems];
+  CUTE_UNROLL
+  for (int e = 0; e < kElems; ++e) old[e] = in_bounds(e) ? *address(e) : 0.f;
+  CUTE_UNROLL
+  for (int e = 0; e < kElems; ++e)
+    if (in_bounds(e)) *address(e) = old[e] + acc(e);
+}
+
+template <typename Traits>
+__device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block, int kv_h, int b,
+                                                  int split) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kQElems = Traits::kQElems, kKVElems = Traits::kKVElems, kPdSElems = Traits::kPdSElems;
+  constexpr int kStages = Traits::kStages;
+  const ForwardParams& f = p.fwd;
+  const int tid = threadIdx.x;
+  const int group = f.heads / f.kv_heads;
+  const int n_begin = n_block * kBlockN;
+  const int m_tiles = (f.seqlen_q + kBlockM - 1) / kBlockM;
+
+  // Shared memory: Q and dO (kStages each), K, V, P, dS, then the dbias reduction buffer.
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + kStages * kQElems, typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + kStages * kQElems, typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + kKVElems, typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + kKVElems, typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
+  float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+
+  // Global -> shared copies, with the (row, column) of every vector for predication.
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto head_rows = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride,
+                       int head, int rows) {
+    const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + head * head_stride;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(rows, f.head_dim), make_stride(row_stride, _1{}));
+  };
+  auto load_q_do = [&](int head, int m_block, int stage) {
+    const auto tile = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+    Tensor gQ = local_tile(head_rows(f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride, head, f.seqlen_q), tile,
+                           make_coord(m_block, 0));
+    Tensor gdO = local_tile(head_rows(p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, head, f.seqlen_q),
+                            tile, make_coord(m_block, 0));
+    const int valid = f.seqlen_q - m_block * kBlockM;
+    copy_rows_async(gmem_copy, gmem_thr.partition_S(gQ), at_stage(tQsQ, stage, kQElems), tQcQ, valid, f.head_dim);
+    copy_rows_async(gmem_copy, gmem_thr.partition_S(gdO), at_stage(tdOsdO, stage, kQElems), tQcQ, valid, f.head_dim);
+  };
+
+  // The three GEMMs' fragments and the shared -> register copies that feed them.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdO.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{}));
+
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tid);
+  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
+  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tid);
+  Tensor tSsK = thr_sdp_b.partition_S(sK);
+  Tensor tdPsV = thr_sdp_b.partition_S(sV);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tid);
+  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
+  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tid);
+  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
+  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto thr_dq_a = copy_dq_a.get_thread_slice(tid);
+  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_dq_b = copy_dq_b.get_thread_slice(tid);
+  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto thr_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPsP = thr_pds.partition_D(sP);
+  Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+  // (row, col) inside the tile of every element of S, dQ and dK/dV this thread holds.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  BiasGradTile<kBlockM, kBlockN, kCols, Traits::kSdpWarpsM, Traits::kNThreads> dbias(p, b, kv_h);
+
+  // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
+  __syncthreads();
+  {
+    const auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+    Tensor gK = local_tile(head_rows(f.k, f.k_batch_stride, f.k_head_stride, f.k_row_stride, kv_h, f.seqlen_k), tile,
+                           make_coord(n_block, 0));
+    Tensor gV = local_tile(head_rows(f.v, f.v_batch_stride, f.v_head_stride, f.v_row_stride, kv_h, f.seqlen_k), tile,
+                           make_coord(n_block, 0));
+    copy_rows_async(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, f.seqlen_k - n_begin,
+                    f.head_dim);
+    copy_rows_async(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, f.seqlen_k - n_begin,
+                    f.head_dim);
+  }
+
+  // With two stages, a query head's first tile loads into the stage its predecessor did not read last.
+  int stage = 0;
+  for (int hi = 0; hi < group; ++hi) {
+    const int h = kv_h * group + hi;
+    const QueryTileClassifier<kBlockM, kBlockN> classifier(f, b, h, n_block);
+    const int m_first = classifier.first_m_block();
+    ActiveTileWalk walk;
+    auto next_active = [&](int m) {
+      const int next = walk.next_at_or_below(m, classifier);
+      return next >= m_first ? next : -1;
+    };
+    const float* lse_row = f.lse + b * f.lse_batch_stride + h * f.lse_head_stride;
+    const float* dsum_row = p.dsum + (std::int64_t(b) * f.heads + h) * f.seqlen_q;
+    float* dq_rows = p.dq_accum + ((std::int64_t(p.deterministic ? split : 0) * f.batch + b) * f.heads + h) *
+                                      std::int64_t(f.seqlen_q) * f.head_dim;
+
+    int m_block = next_active(m_tiles - 1);
+    int zero_top = m_tiles;  // query tiles at or above this one are done (for dbias zero-filling)
+    if (m_block >= 0) load_q_do(h, m_block, stage);
+    cp_async_fence();
+
+    while (m_block >= 0) {
+      const bool elementwise = walk.needs_elementwise(m_block);
+      const int next = next_active(m_block - 1);
+      const int row0 = m_block * kBlockM;
+      dbias.zero_tiles(h, m_block + 1, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
+      zero_top = m_block;
+
+      // LSE (in base 2) and Δ of this thread's rows; rows past Sq get LSE = +inf, so P = 0.
+      float lse_log2[kRows], dsum[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int i = row0 + get<0>(tScS_rc(r, 0));
+        lse_log2[r] = i < f.seqlen_q ? lse_row[i] * kLog2e : INFINITY;
+        dsum[r] = i < f.seqlen_q ? dsum_row[i] : 0.f;
+      }
+
+      cp_async_wait<0>();
+      __syncthreads();  // Q and dO (and K, V) have landed; every warp is done with the last tile's buffers
+      if constexpr (Traits::kStages == 2) {
+        if (next >= 0) load_q_do(h, next, stage ^ 1);
+        cp_async_fence();
+      }
+
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_smem_smem(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage, kQElems), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b,
+                     thr_sdp_a, thr_sdp_b);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_smem_smem(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage, kQElems), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a,
+                     thr_sdp_b);
+
+      // z -> P = exp(z - LSE), dZ = P∘(dP - Δ) -> dBias, dS = dZ·dcap: P replaces S, dS replaces dP.
+      {
+        const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
+        Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+        Tensor dp = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+        policy.apply(acc_s, tScS, n_block, elementwise, [&](int r, int c, float z, float dcap) {
+          const float prob = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
+          const float dz = prob * (dp(r, c) - dsum[r]);
+          s(r, c) = prob;
+          dp(r, c) = dz * dcap;
+          dbias.add(c, h, row0 + get<0>(tScS_rc(r, c)), n_begin + get<1>(tScS_rc(r, c)), f.seqlen_q, f.seqlen_k, dz);
+        });
+      }
+      Tensor p_values = convert_fragment<Element>(acc_s);
+      Tensor ds_values = convert_fragment<Element>(acc_dp);
+      copy(copy_pds, thr_pds.retile_S(p_values), tPsP);
+      copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
+      __syncthreads();  // P and dS are in shared memory
+
+      gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
+                     thr_dkv_a, thr_dkv_b);
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+      accumulate_dq(acc_dq, tdQcdQ, dq_rows, row0, f.seqlen_q, f.head_dim, p.deterministic);
+
+      gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
+                     thr_dkv_a, thr_dkv_b);
+
+      if constexpr (Traits::kStages == 1) {
+        __syncthreads();  // every warp is done reading Q and dO
+        if (next >= 0) load_q_do(h, next, 0);
+        cp_async_fence();
+      } else {
+        stage ^= 1;
+      }
+      m_block = next;
+    }
+    dbias.zero_tiles(h, 0, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
+    // Column sums are complete once the last query head that reads this bias head is done.
+    if (hi + 1 == group || (h + 1) / p.dbias.head_divisor != h / p.dbias.head_divisor) {
+      dbias.flush_columns(tScS_rc, reduce, h, n_begin, f.seqlen_k);
+    }
+  }
+
+  // dK = scale·Σ dSᵀ·Q, dV = Σ Pᵀ·dO over every visited query tile of the group's heads.
+  cp_async_wait<0>();
+  auto kv_rows = [&](void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride) {
+    return static_cast<Element*>(base) + b * batch_stride + kv_h * head_stride + n_begin * row_stride;
+  };
+  store_rows(acc_dk, tdKVcdKV, kv_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride), p.dk_row_stride,
+             f.seqlen_k - n_begin, f.head_dim, f.scale);
+  store_rows(acc_dv, tdKVcdKV, kv_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride), p.dv_row_stride,
+             f.seqlen_k - n_begin, f.head_dim, 1.f);
+}
+
+}  // namespace flash_dmattn::kernels::sm80

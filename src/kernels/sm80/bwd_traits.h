@@ -1,0 +1,82 @@
+// Tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 (mma.sync) backward.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/sm80/tile_size.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+template <typename Element_, int kHeadDim_>
+struct BackwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr BackwardTile kTile = backward_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.warps;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = kTile.double_buffer ? 2 : 1;
+
+  using MmaAtom = cute::MMA_Atom<std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                                    cute::SM80_16x8x16_F32F16F16F32_TN,
+                                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // A warp grid (rows x cols) per GEMM; every warp covers 16 x 16 of the output per step.
+  template <int kWarpsRows>
+  using WarpGridMma = cute::TiledMMA<MmaAtom,
+                                     cute::Layout<cute::Shape<cute::Int<kWarpsRows>, cute::Int<kNWarps / kWarpsRows>, cute::_1>>,
+                                     cute::Tile<cute::Int<16 * kWarpsRows>, cute::Int<16 * (kNWarps / kWarpsRows)>, cute::_16>>;
+  using TiledMmaSdP = WarpGridMma<kTile.sdp_warps_m>;  // S = Q·Kᵀ and dP = dO·Vᵀ: (kBlockM, kBlockN)
+  using TiledMmadKV = WarpGridMma<kTile.dkv_warps_n>;  // dV = Pᵀ·dO and dK = dSᵀ·Q: (kBlockN, D)
+  using TiledMmadQ = WarpGridMma<kTile.dq_warps_m>;    // dQ = dS·K: (kBlockM, D)
+  static constexpr int kSdpWarpsM = kTile.sdp_warps_m;
+  static constexpr int kSdpWarpsN = kNWarps / kSdpWarpsM;
+
+  // Shared-memory rows of 64 (or 32) elements with a swizzle that makes ldmatrix conflict-free.
+  template <int kCols>
+  using SwizzledAtom = decltype(cute::composition(
+      cute::Swizzle<kCols % 64 == 0 ? 3 : 2, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kCols % 64 == 0 ? 64 : 32>>,
+                   cute::Stride<cute::Int<kCols % 64 == 0 ? 64 : 32>, cute::_1>>{}));
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+
+  // Q and dO: (kBlockM, D) per stage; K and V: (kBlockN, D); P and dS: (kBlockM, kBlockN).
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzledAtom<kHeadDim>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SwizzledAtom<kHeadDim>{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutPdS = decltype(cute::tile_to_shape(SwizzledAtom<kBlockN>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  // Transposed views of the same bytes, the operands of the dK, dV and dQ GEMMs.
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using SmemLayoutPdSt = decltype(cute::composition(
+      SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using SmemLayoutQtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutQt{}));
+  using SmemLayoutKtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutKt{}));
+  using SmemLayoutPdStNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomPdS = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  // Global -> shared: 16-byte vectors, kGmemThreadsPerRow threads across a kBlockKSmem row.
+  static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+  using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
+                                      cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
+  using GmemTiledCopy = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
+
+  static constexpr int kQElems = static_cast<int>(cute::cosize(SmemLayoutQ{}));
+  static constexpr int kKVElems = static_cast<int>(cute::cosize(SmemLayoutKV{}));
+  static constexpr int kPdSElems = static_cast<int>(cute::cosize(SmemLayoutPdS{}));
+  // The CTA-wide reduction of dbias column sums: one float per (key, warp row).
+  static constexpr int kReduceFloats = kBlockN * kSdpWarpsM;
+  static constexpr int kSmemBytes =
+      static_cast<int>((2 * kStages * kQElems + 2 * kKVElems + 2 * kPdSElems) * sizeof(Element)) +
+      kReduceFloats * static_cast<int>(sizeof(float));
+};
+
+}  // namespace flash_dmattn::kernels::sm80

@@ -1,0 +1,61 @@
+// Picks the compiled instantiation for a call. The list of instantiations comes from the
+// generated kernel_manifest.h (cmake/FlashDmattnKernels.cmake), so a partial build dispatches to
+// exactly what it compiled.
+#include <cutlass/numeric_types.h>
+
+#include "kernel_manifest.h"
+#include "kernels/sm80/bwd_traits.h"
+#include "kernels/sm80/entry_points.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+// Defined in fwd_kernel.h and bwd_kernel.h, instantiated once per manifest entry in translation
+// units of their own.
+template <typename Element, int kHeadDim>
+cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream);
+
+int head_dim_bucket(int head_dim) {
+  for (int bucket : {32, 64, 96, 128, 192, 256})
+    if (head_dim <= bucket) return bucket;
+  return 0;
+}
+
+int compiled_head_dim_bucket(ElementType element, int head_dim) {
+  const int bucket = head_dim_bucket(head_dim);
+#define FDMA_SM80_HAS(dtype, cutlass_type, hdim) \
+  if (element == ElementType::dtype && bucket == hdim) return bucket;
+  FDMA_SM80_KERNELS(FDMA_SM80_HAS)
+#undef FDMA_SM80_HAS
+  return 0;
+}
+
+int backward_smem_bytes(ElementType element, int head_dim) {
+  const int bucket = head_dim_bucket(head_dim);
+#define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
+  if (element == ElementType::dtype && bucket == hdim) return BackwardTraits<cutlass_type, hdim>::kSmemBytes;
+  FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
+#undef FDMA_SM80_SMEM
+  return 0;
+}
+
+cudaError_t forward(const ForwardParams& params, cudaStream_t stream) {
+  const int bucket = head_dim_bucket(params.head_dim);
+#define FDMA_SM80_RUN(dtype, cutlass_type, hdim) \
+  if (params.element == ElementType::dtype && bucket == hdim) return run_forward<cutlass_type, hdim>(params, stream);
+  FDMA_SM80_KERNELS(FDMA_SM80_RUN)
+#undef FDMA_SM80_RUN
+  return cudaErrorNotSupported;
+}
+
+cudaError_t backward(const BackwardParams& params, cudaStream_t stream) {
+  const int bucket = head_dim_bucket(params.fwd.head_dim);
+#define FDMA_SM80_RUN(dtype, cutlass_type, hdim) \
+  if (params.fwd.element == ElementType::dtype && bucket == hdim) return run_backward<cutlass_type, hdim>(params, stream);
+  FDMA_SM80_KERNELS(FDMA_SM80_RUN)
+#undef FDMA_SM80_RUN
+  return cudaErrorNotSupported;
+}
+
+}  // namespace flash_dmattn::kernels::sm80

@@ -1,0 +1,271 @@
+// The compiled module flash_dmattn._C: the public C++ API over plain numbers. A tensor arrives as a
+// pointer, a dtype name, a shape, strides in elements and a device, so the module includes no
+// framework header and links no framework library; one build serves every torch version, numpy,
+// and any other caller that can name its memory. python/flash_dmattn/ turns arrays into views.
+//
+// Errors keep the library's messages verbatim: invalid_argument becomes ValueError, unsupported
+// NotImplementedError (a RuntimeError subclass), anything else RuntimeError. Every call that does
+// work releases the GIL, so CPU threads and other Python threads run meanwhile.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flash_dmattn/flash_dmattn.h"
+
+namespace nb = nanobind;
+namespace fd = flash_dmattn;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) {
+  throw fd::Error(fd::Status::error(fd::StatusCode::invalid_argument, message));
+}
+
+fd::DType parse_dtype(const std::string& name) {
+  for (fd::DType d : {fd::DType::float16, fd::DType::bfloat16, fd::DType::float32, fd::DType::float64,
+                      fd::DType::boolean}) {
+    if (name == fd::dtype_name(d)) return d;
+  }
+  fail("flash_dmattn.View: argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, got '" +
+       name + "'");
+}
+
+fd::Device parse_device(const std::string& type, int index) {
+  if (index < 0) fail("flash_dmattn.View: argument 'device_index': expected >= 0, got " + std::to_string(index));
+  if (type == "cpu") return {fd::DeviceType::cpu, 0};
+  if (type == "cuda") return {fd::DeviceType::cuda, index};
+  fail("flash_dmattn.View: argument 'device': expected 'cpu' or 'cuda', got '" + type + "'");
+}
+
+fd::Backend parse_backend(const std::string& name) {
+  for (fd::Backend b : {fd::Backend::automatic, fd::Backend::cpu_reference, fd::Backend::cuda_sm80,
+                        fd::Backend::cuda_sm90}) {
+    if (name == fd::backend_name(b)) return b;
+  }
+  fail("flash_dmattn: argument 'backend': expected one of automatic, cpu_reference, cuda_sm80, cuda_sm90, got '" +
+       name + "'");
+}
+
+fd::TensorView make_view(std::uintptr_t data, const std::string& dtype, const std::vector<std::int64_t>& shape,
+                         const std::vector<std::int64_t>& strides, const std::string& device, int device_index) {
+  if (shape.size() != strides.size() || shape.size() > static_cast<std::size_t>(fd::kMaxRank)) {
+    fail("flash_dmattn.View: arguments 'shape' and 'strides': expected the same length, at most " +
+         std::to_string(fd::kMaxRank) + ", got " + std::to_string(shape.size()) + " and " +
+         std::to_string(strides.size()));
+  }
+  fd::TensorView view;
+  view.data = reinterpret_cast<void*>(data);
+  view.dtype = parse_dtype(dtype);
+  view.rank = static_cast<int>(shape.size());
+  view.device = parse_device(device, device_index);
+  for (int d = 0; d < view.rank; ++d) {
+    view.shape[d] = shape[d];
+    view.stride[d] = strides[d];
+  }
+  return view;
+}
+
+nb::tuple as_tuple(const std::int64_t* values, int rank) {
+  nb::tuple tuple = nb::steal<nb::tuple>(PyTuple_New(rank));
+  for (int d = 0; d < rank; ++d) PyTuple_SET_ITEM(tuple.ptr(), d, PyLong_FromLongLong(values[d]));
+  return tuple;
+}
+
+fd::AttentionOptions make_options(std::optional<double> softmax_scale, bool causal, double softcap,
+                                  const std::string& backend, std::uintptr_t stream) {
+  fd::AttentionOptions options;
+  options.softmax_scale = softmax_scale;
+  options.causal = causal;
+  options.softcap = softcap;
+  options.backend = parse_backend(backend);
+  options.stream = reinterpret_cast<void*>(stream);
+  return options;
+}
+
+std::optional<fd::TensorView> optional_view(const fd::TensorView* view) {
+  return view ? std::optional<fd::TensorView>(*view) : std::nullopt;
+}
+
+fd::Workspace workspace(std::uintptr_t data, std::size_t bytes) { return {reinterpret_cast<void*>(data), bytes}; }
+
+nb::dict capability_dict(const fd::Capability& c) {
+  nb::dict d;
+  d["backend"] = fd::backend_name(c.backend);
+  d["arch"] = c.arch;
+  d["description"] = c.description;
+  return d;
+}
+
+void translate_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const fd::Error& e) {
+    PyObject* type = PyExc_RuntimeError;
+    if (e.code() == fd::StatusCode::invalid_argument) type = PyExc_ValueError;
+    if (e.code() == fd::StatusCode::unsupported) type = PyExc_NotImplementedError;
+    PyErr_SetString(type, e.what());
+  }
+}
+
+using Release = nb::call_guard<nb::gil_scoped_release>;
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flash_dmattn's C++ API over pointers, shapes and strides (see flash_dmattn/core.py)";
+  nb::register_exception_translator(translate_error);
+
+#ifdef FLASH_DMATTN_PYTHON_WITH_CUDA
+  m.attr("cuda_compiled") = true;
+#else
+  m.attr("cuda_compiled") = false;
+#endif
+  m.attr("workspace_alignment") = fd::kWorkspaceAlignment;
+
+  nb::class_<fd::TensorView>(m, "View", "One tensor: pointer, dtype, shape, strides in elements, device")
+      .def(
+          "__init__",
+          [](fd::TensorView* self, std::uintptr_t data, const std::string& dtype,
+             const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& strides,
+             const std::string& device, int device_index) {
+            new (self) fd::TensorView(make_view(data, dtype, shape, strides, device, device_index));
+          },
+          nb::arg("data"), nb::arg("dtype"), nb::arg("shape"), nb::arg("strides"), nb::arg("device") = "cpu",
+          nb::arg("device_index") = 0)
+      .def_prop_ro("data", [](const fd::TensorView& v) { return reinterpret_cast<std::uintptr_t>(v.data); })
+      .def_prop_ro("dtype", [](const fd::TensorView& v) { return std::string(fd::dtype_name(v.dtype)); })
+      .def_prop_ro("shape", [](const fd::TensorView& v) { return as_tuple(v.shape, v.rank); })
+      .def_prop_ro("strides", [](const fd::TensorView& v) { return as_tuple(v.stride, v.rank); })
+      .def_prop_ro("device", [](const fd::TensorView& v) { return fd::device_name(v.device); })
+      .def("__repr__", [](const fd::TensorView& v) {
+        return "View(" + std::string(fd::dtype_name(v.dtype)) + ", shape=" + v.shape_string() +
+               ", strides=" + v.stride_string() + ", " + fd::device_name(v.device) + ")";
+      });
+
+  nb::class_<fd::ForwardArgs>(m, "ForwardArgs", "The arguments of one forward call (attention.h)")
+      .def(
+          "__init__",
+          [](fd::ForwardArgs* self, const fd::TensorView& q, const fd::TensorView& k, const fd::TensorView& v,
+             const fd::TensorView& out, const fd::TensorView& lse, const fd::TensorView* mask,
+             const fd::TensorView* bias, std::optional<double> softmax_scale, bool causal, double softcap,
+             const std::string& backend, std::uintptr_t stream) {
+            auto* args = new (self) fd::ForwardArgs();
+            args->q = q;
+            args->k = k;
+            args->v = v;
+            args->out = out;
+            args->lse = lse;
+            args->mask = optional_view(mask);
+            args->bias = optional_view(bias);
+            args->options = make_options(softmax_scale, causal, softcap, backend, stream);
+          },
+          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(),
+          nb::arg("mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+          nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
+          nb::arg("backend") = "automatic", nb::arg("stream") = 0);
+
+  nb::class_<fd::BackwardArgs>(m, "BackwardArgs", "The arguments of one backward call (attention.h)")
+      .def(
+          "__init__",
+          [](fd::BackwardArgs* self, const fd::TensorView& q, const fd::TensorView& k, const fd::TensorView& v,
+             const fd::TensorView& out, const fd::TensorView& lse, const fd::TensorView& dout,
+             const fd::TensorView& dq, const fd::TensorView& dk, const fd::TensorView& dv,
+             const fd::TensorView* mask, const fd::TensorView* bias, const fd::TensorView* dbias,
+             std::optional<double> softmax_scale, bool causal, double softcap, bool deterministic,
+             const std::string& backend, std::uintptr_t stream) {
+            auto* args = new (self) fd::BackwardArgs();
+            args->q = q;
+            args->k = k;
+            args->v = v;
+            args->out = out;
+            args->lse = lse;
+            args->dout = dout;
+            args->dq = dq;
+            args->dk = dk;
+            args->dv = dv;
+            args->mask = optional_view(mask);
+            args->bias = optional_view(bias);
+            args->dbias = optional_view(dbias);
+            args->options = make_options(softmax_scale, causal, softcap, backend, stream);
+            args->deterministic = deterministic;
+          },
+          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"),
+          nb::arg("dk"), nb::arg("dv"), nb::kw_only(), nb::arg("mask").none() = nb::none(),
+          nb::arg("bias").none() = nb::none(), nb::arg("dbias").none() = nb::none(),
+          nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
+          nb::arg("deterministic") = false, nb::arg("backend") = "automatic", nb::arg("stream") = 0);
+
+  m.def(
+      "forward_workspace_size",
+      [](const fd::ForwardArgs& args) {
+        std::size_t bytes = 0;
+        fd::throw_if_error(fd::forward_workspace_size(args, &bytes));
+        return bytes;
+      },
+      nb::arg("args"), Release(), "Bytes of scratch memory forward() needs for these arguments");
+  m.def(
+      "backward_workspace_size",
+      [](const fd::BackwardArgs& args) {
+        std::size_t bytes = 0;
+        fd::throw_if_error(fd::backward_workspace_size(args, &bytes));
+        return bytes;
+      },
+      nb::arg("args"), Release(), "Bytes of scratch memory backward() needs for these arguments");
+
+  m.def(
+      "forward",
+      [](const fd::ForwardArgs& args, std::uintptr_t data, std::size_t bytes) {
+        fd::ForwardArgs call = args;
+        call.workspace = workspace(data, bytes);
+        fd::throw_if_error(fd::forward(call));
+      },
+      nb::arg("args"), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, Release(),
+      "Writes out and lse; asynchronous on the stream for CUDA tensors");
+  m.def(
+      "backward",
+      [](const fd::BackwardArgs& args, std::uintptr_t data, std::size_t bytes) {
+        fd::BackwardArgs call = args;
+        call.workspace = workspace(data, bytes);
+        fd::throw_if_error(fd::backward(call));
+      },
+      nb::arg("args"), nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, Release(),
+      "Writes dq, dk, dv and, when given, dbias; asynchronous on the stream for CUDA tensors");
+
+  m.def(
+      "query_forward",
+      [](const fd::ForwardArgs& args) {
+        fd::Capability capability;
+        {
+          nb::gil_scoped_release release;
+          fd::throw_if_error(fd::query_forward(args, &capability));
+        }
+        return capability_dict(capability);
+      },
+      nb::arg("args"), "Which backend and architecture would run this forward: {backend, arch, description}");
+  m.def(
+      "query_backward",
+      [](const fd::BackwardArgs& args) {
+        fd::Capability capability;
+        {
+          nb::gil_scoped_release release;
+          fd::throw_if_error(fd::query_backward(args, &capability));
+        }
+        return capability_dict(capability);
+      },
+      nb::arg("args"), "Which backend and architecture would run this backward: {backend, arch, description}");
+
+  m.def(
+      "available_backends",
+      []() {
+        std::vector<std::string> names;
+        for (fd::Backend b : fd::available_backends()) names.emplace_back(fd::backend_name(b));
+        return names;
+      },
+      "The backends compiled in that can run on this machine now, best first");
+  m.def("version", []() { return std::string(fd::version()); });
+}

@@ -1,0 +1,222 @@
+"""flash_dmattn_func on CPU tensors (the fp64 CPU backend): argument checks, autograd, broadcasting,
+head-dim padding, autocast, the custom ops' registrations and torch.compile tracing.
+
+Needs torch, not a GPU; skipped where torch is missing (CI).
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_dmattn import flash_dmattn_func, interface, torch_ops  # noqa: E402
+from tolerance import assert_rounded  # noqa: E402
+from torch_cases import make_case, run_flash, run_reference  # noqa: E402
+
+
+def q_k_v(dtype=torch.float16, head_dim=16, **kwargs):
+    case = make_case(2, 5, 7, 4, 2, head_dim, dtype=dtype, **kwargs)
+    return case["q"], case["k"], case["v"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks: TypeError / ValueError before any launch
+
+
+@pytest.mark.parametrize("mutate, error, message", [
+    (lambda a: a.update(query=[1.0]), TypeError, "argument 'query': expected a torch.Tensor, got list"),
+    (lambda a: a.update(query=a["query"][0]), ValueError,
+     "argument 'query': expected 4 dims (B, Sq, H, D), got shape (5, 4, 16)"),
+    (lambda a: a.update(query=a["query"].float()), TypeError, "argument 'query': expected dtype float16 or bfloat16"),
+    (lambda a: a.update(key=a["key"].bfloat16()), TypeError,
+     "argument 'key': expected the dtype of query (torch.float16), got torch.bfloat16"),
+    (lambda a: a.update(key=a["key"].to("meta")), ValueError,
+     "argument 'key': expected the device of query (cpu), got meta"),
+    (lambda a: a.update(key=a["key"][:, :, :, :8]), ValueError,
+     "argument 'key': expected shape (B=2, Sk, Hk, D=16), got (2, 7, 2, 8)"),
+    (lambda a: a.update(key=a["key"][:, :, :1].expand(2, 7, 3, 16), value=a["value"][:, :, :1].expand(2, 7, 3, 16)),
+     ValueError, "argument 'key': expected a head count Hk (dim 2) >= 1 that divides the H=4 of query, got 3"),
+    (lambda a: a.update(value=a["value"][:, :6]), ValueError,
+     "argument 'value': expected the shape of key (2, 7, 2, 16), got (2, 6, 2, 16)"),
+    (lambda a: a.update(attn_mask=torch.ones(2, 1, 1, 7)), TypeError,
+     "argument 'attn_mask': expected dtype torch.bool (True keeps a key), got torch.float32"),
+    (lambda a: a.update(attn_mask=torch.ones(2, 3, 1, 7, dtype=torch.bool)), ValueError,
+     "argument 'attn_mask': expected heads size (dim 1) in [1, 2, 4], got 3"),
+    (lambda a: a.update(attn_bias=torch.ones(2, 1, 1, 6, dtype=torch.float16)), ValueError,
+     "argument 'attn_bias': expected key size (dim 3) in [1, 7], got 6"),
+    (lambda a: a.update(attn_bias=torch.ones(1, 1, 7)), ValueError, "argument 'attn_bias': expected 4 dims"),
+    (lambda a: a.update(attn_bias=torch.ones(1, 1, 1, 7, dtype=torch.float64)), TypeError,
+     "argument 'attn_bias': expected the dtype of query (torch.float16) or torch.float32, got torch.float64"),
+    (lambda a: a.update(softmax_scale=0.0), ValueError,
+     "argument 'softmax_scale': expected a finite value > 0, got 0.0"),
+    (lambda a: a.update(softcap=float("nan")), ValueError, "argument 'softcap': expected a finite value >= 0"),
+])
+def test_bad_arguments(mutate, error, message):
+    q, k, v = q_k_v()
+    call = dict(query=q, key=k, value=v)
+    mutate(call)
+    with pytest.raises(error) as raised:
+        flash_dmattn_func(**call)
+    assert message in str(raised.value)
+
+
+def test_head_dim_limit():
+    q, k, v = q_k_v(head_dim=264)
+    with pytest.raises(ValueError, match=r"expected a head dim \(dim 3\) in \[1, 256\], got 264"):
+        flash_dmattn_func(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# Results and gradients against the float64 reference
+
+
+BIAS_SHAPES = [(2, 2, 1, 7), (1, 1, 5, 7), (2, 4, 5, 1), (2, 1, 1, 1), (1, 4, 5, 7)]
+
+
+@pytest.mark.parametrize("bias_shape", BIAS_SHAPES)
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 1, 7), (1, 2, 5, 7)])
+@pytest.mark.parametrize("is_causal, softcap", [(False, 0.0), (True, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autograd_matches_reference(bias_shape, mask_shape, is_causal, softcap, dtype):
+    case = make_case(2, 5, 7, 4, 2, 16, dtype=dtype, mask_shape=mask_shape, bias_shape=bias_shape)
+    dout = torch.randn(case["q"].shape).to(dtype)
+    out, lse, grads = run_flash(case, dout, is_causal=is_causal, softcap=softcap)
+    ref_out, ref_lse, ref_grads = run_reference(case, dout, is_causal=is_causal, softcap=softcap)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 5)
+    assert_rounded("out", out, ref_out)
+    assert_rounded("lse", lse, ref_lse)
+    for name in ("q", "k", "v", "bias"):
+        assert grads[name].dtype == case[name].dtype
+        assert_rounded(f"d{name}", grads[name], ref_grads[name])
+
+
+def test_float32_bias_gets_a_float32_gradient():
+    case = make_case(1, 6, 9, 4, 1, 32, dtype=torch.float16, bias_shape=(1, 1, 6, 9), bias_dtype=torch.float32)
+    dout = torch.randn(case["q"].shape).half()
+    _, _, grads = run_flash(case, dout)
+    _, _, ref_grads = run_reference(case, dout)
+    assert grads["bias"].dtype == torch.float32 and grads["bias"].shape == (1, 1, 6, 9)
+    assert_rounded("dbias", grads["bias"], ref_grads["bias"])
+
+
+def test_only_the_bias_requires_grad():
+    case = make_case(2, 5, 7, 4, 2, 16, bias_shape=(2, 2, 1, 7))
+    dout = torch.randn(case["q"].shape).bfloat16()
+    _, _, grads = run_flash(case, dout, wrt=("bias",), is_causal=True)
+    _, _, ref_grads = run_reference(case, dout, wrt=("bias",), is_causal=True)
+    assert list(grads) == ["bias"]
+    assert_rounded("dbias", grads["bias"], ref_grads["bias"])
+
+
+@pytest.mark.parametrize("head_dim", [4, 20, 63])
+def test_head_dims_that_are_not_a_multiple_of_8_are_padded(head_dim):
+    case = make_case(1, 5, 6, 2, 2, head_dim, mask_shape=(1, 1, 5, 6), bias_shape=(1, 2, 1, 6))
+    dout = torch.randn(case["q"].shape).bfloat16()
+    out, lse, grads = run_flash(case, dout)
+    ref_out, ref_lse, ref_grads = run_reference(case, dout)  # default scale: 1/sqrt(head_dim), unpadded
+    assert out.shape == case["q"].shape
+    assert_rounded("out", out, ref_out)
+    assert_rounded("lse", lse, ref_lse)
+    for name in ("q", "k", "v", "bias"):
+        assert grads[name].shape == case[name].shape
+        assert_rounded(f"d{name}", grads[name], ref_grads[name])
+
+
+def test_autocast_runs_float32_inputs_in_the_autocast_dtype():
+    case = make_case(1, 5, 7, 2, 1, 16, dtype=torch.float32, bias_shape=(1, 1, 1, 7))
+    dout = torch.randn(case["q"].shape)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _, grads = run_flash(case, dout)
+    assert out.dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in grads.values())  # the float32 leaves' own dtype
+    rounded = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in case.items()}
+    ref_out, _, _ = run_reference(rounded)
+    assert_rounded("out", out, ref_out)
+
+
+def test_expanded_mask_and_bias_are_read_in_place():
+    case = make_case(2, 5, 7, 4, 2, 16, mask_shape=(2, 1, 1, 7), bias_shape=(2, 2, 1, 7))
+    q, k, v, mask, bias = (case[n] for n in ("q", "k", "v", "mask", "bias"))
+    wide_mask, wide_bias = mask.expand(2, 4, 5, 7), bias.expand(2, 2, 5, 7)
+    assert interface._compact_broadcast(wide_mask).shape == (2, 1, 1, 7)
+    assert interface._compact_broadcast(wide_bias).shape == (2, 2, 1, 7)
+    compact = flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias)
+    assert torch.equal(flash_dmattn_func(q, k, v, attn_mask=wide_mask, attn_bias=wide_bias), compact)
+
+    # A bias expand()ed from a leaf that needs a gradient: the leaf gets the reduced gradient.
+    dout = torch.randn(q.shape).bfloat16()
+    leaf = bias.clone().requires_grad_()
+    flash_dmattn_func(q, k, v, attn_mask=wide_mask, attn_bias=leaf.expand(2, 2, 5, 7)).backward(dout)
+    _, _, ref_grads = run_reference(case, dout, wrt=("bias",))
+    assert leaf.grad.shape == (2, 2, 1, 7)
+    assert_rounded("dbias", leaf.grad, ref_grads["bias"])
+
+
+def test_mask_with_an_expanded_key_dim():
+    """A mask that broadcasts over the keys by stride 0 (not a size-1 dim) is legal too."""
+    q, k, v = q_k_v()
+    row_switch = torch.tensor([True, False, True, True, False]).view(1, 1, 5, 1)
+    out = flash_dmattn_func(q, k, v, attn_mask=row_switch.expand(2, 4, 5, 7))
+    assert torch.equal(out, flash_dmattn_func(q, k, v, attn_mask=row_switch))
+    assert (out[:, 1] == 0).all() and (out[:, 4] == 0).all()
+
+
+def test_return_attn_probs_gives_lse_and_no_probabilities():
+    q, k, v = q_k_v()
+    out, lse, probs = flash_dmattn_func(q, k, v, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    assert not lse.requires_grad
+    assert torch.equal(out, flash_dmattn_func(q, k, v))
+
+
+def test_non_contiguous_inputs():
+    packed = torch.randn(2, 5, 3, 4, 16).half()
+    q, k, v = packed[:, :, 0], packed[:, :, 1, :2], packed[:, :, 2, 2:]
+    assert torch.equal(flash_dmattn_func(q, k, v), flash_dmattn_func(q.contiguous(), k.contiguous(), v.contiguous()))
+    transposed = torch.randn(2, 4, 5, 16).half().transpose(1, 2)  # (B, H, S, D) storage, as transformers has it
+    assert torch.equal(flash_dmattn_func(transposed, k, v), flash_dmattn_func(transposed.contiguous(), k, v))
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    case = make_case(2, 5, 7, 4, 2, 16, bias_shape=(1, 4, 5, 7))
+    dout = torch.randn(case["q"].shape).bfloat16()
+    first = run_flash(case, dout, deterministic=True)[2]
+    second = run_flash(case, dout, deterministic=True)[2]
+    assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registrations and torch.compile tracing
+
+
+def _op_args(requires_grad):
+    case = make_case(2, 5, 7, 4, 2, 16, mask_shape=(2, 1, 1, 7), bias_shape=(2, 2, 1, 7))
+    q, k, v, bias = (case[n].requires_grad_(requires_grad) for n in ("q", "k", "v", "bias"))
+    return q, k, v, case["mask"], bias
+
+
+def test_opcheck_forward():
+    torch.library.opcheck(torch_ops.forward, (*_op_args(True), 0.25, True, 0.0, False))
+
+
+def test_opcheck_backward():
+    q, k, v, mask, bias = _op_args(False)
+    out, lse = torch_ops.forward(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    torch.library.opcheck(torch_ops.backward, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0,
+                                               False, True))
+
+
+def test_compile_fullgraph_traces_forward_and_backward():
+    """fullgraph=True fails on any graph break; aot_eager traces the backward through the ops too."""
+    case = make_case(2, 5, 7, 4, 2, 20, mask_shape=(2, 1, 1, 7), bias_shape=(2, 2, 1, 7))
+    dout = torch.randn(case["q"].shape).bfloat16()
+
+    def attention(q, k, v, mask, bias):
+        return flash_dmattn_func(q, k, v, attn_mask=mask.expand(2, 4, 5, 7), attn_bias=bias, is_causal=True)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (compiled, attention):
+        leaves = [case[n].clone().requires_grad_(n != "mask") for n in ("q", "k", "v", "mask", "bias")]
+        out = fn(*leaves)
+        results.append((out, *torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -1,0 +1,153 @@
+"""flash_dmattn_func on CUDA tensors against the float64 torch reference, for the output, the lse and
+all four gradients, with the tolerance of docs/semantics.md §8: at most twice the error of a plain
+same-precision torch implementation, plus one rounding (tolerance.py).
+
+Skipped without torch or without a GPU.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from flash_dmattn import _C, flash_dmattn_func, torch_ops  # noqa: E402
+from tolerance import assert_within_baseline  # noqa: E402
+from torch_cases import make_case, run_flash, run_reference  # noqa: E402
+
+# batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim
+SHAPES = [
+    (2, 128, 128, 8, 2, 64),     # square, GQA 4
+    (1, 113, 203, 4, 4, 128),    # odd lengths, Sq < Sk
+    (2, 200, 77, 6, 3, 32),      # Sq > Sk: causal leaves the first rows empty
+    (3, 1, 300, 8, 1, 64),       # decode, MQA
+    (1, 65, 63, 2, 1, 256),      # the largest head dim
+    (1, 70, 90, 4, 2, 96),
+]
+
+
+def mask_bias_shapes(batch, seqlen_q, seqlen_k, heads, kv_heads):
+    """(mask shape, bias shape) pairs over the broadcast forms of docs/semantics.md §2."""
+    return [
+        (None, None),
+        ((batch, 1, 1, seqlen_k), (batch, kv_heads, 1, seqlen_k)),    # key padding + Doge-style bias
+        ((1, kv_heads, seqlen_q, seqlen_k), (1, 1, seqlen_q, seqlen_k)),
+        ((batch, heads, seqlen_q, seqlen_k), (batch, heads, seqlen_q, seqlen_k)),
+        ((batch, heads, seqlen_q, 1), (batch, 1, 1, 1)),               # row switches; a bias that cancels
+        (None, (1, heads, seqlen_q, 1)),
+    ]
+
+
+def check_against_reference(case, dout, **options):
+    out, lse, grads = run_flash(case, dout, **options)
+    ref_out, ref_lse, ref_grads = run_reference(case, dout, **options)
+    base_out, base_lse, base_grads = run_reference(case, dout, upcast=False, **options)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    assert_within_baseline("out", out, ref_out, base_out)
+    assert_within_baseline("lse", lse, ref_lse, base_lse)
+    for name, grad in grads.items():
+        assert grad.shape == case[name].shape and grad.dtype == case[name].dtype, name
+        assert_within_baseline(f"d{name}", grad, ref_grads[name], base_grads[name])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("form", range(6))
+@pytest.mark.parametrize("is_causal, softcap", [(False, 0.0), (True, 0.0), (True, 2.0)])
+def test_autograd_matches_reference(shape, dtype, form, is_causal, softcap):
+    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = shape
+    mask_shape, bias_shape = mask_bias_shapes(batch, seqlen_q, seqlen_k, heads, kv_heads)[form]
+    case = make_case(*shape, dtype=dtype, device="cuda", mask_shape=mask_shape, bias_shape=bias_shape)
+    dout = torch.randn(case["q"].shape, device="cuda").to(dtype)
+    check_against_reference(case, dout, is_causal=is_causal, softcap=softcap)
+
+
+def test_larger_problem():
+    case = make_case(2, 1024, 1024, 16, 4, 128, device="cuda", mask_shape=(2, 4, 1, 1024),
+                     bias_shape=(2, 4, 1, 1024))
+    check_against_reference(case, torch.randn(case["q"].shape, device="cuda").bfloat16(), is_causal=True)
+
+
+def test_float32_bias_keeps_float32():
+    case = make_case(2, 96, 160, 8, 2, 64, device="cuda", bias_shape=(2, 2, 1, 160), bias_dtype=torch.float32)
+    dout = torch.randn(case["q"].shape, device="cuda").bfloat16()
+    check_against_reference(case, dout, is_causal=True)
+
+
+def test_only_the_bias_requires_grad():
+    case = make_case(2, 64, 96, 4, 2, 64, device="cuda", bias_shape=(2, 2, 1, 96))
+    dout = torch.randn(case["q"].shape, device="cuda").bfloat16()
+    _, _, grads = run_flash(case, dout, wrt=("bias",))
+    _, _, ref = run_reference(case, dout, wrt=("bias",))
+    _, _, base = run_reference(case, dout, wrt=("bias",), upcast=False)
+    assert list(grads) == ["bias"]
+    assert_within_baseline("dbias", grads["bias"], ref["bias"], base["bias"])
+
+
+@pytest.mark.parametrize("head_dim", [4, 20, 100])
+def test_padded_head_dims(head_dim):
+    case = make_case(2, 50, 70, 4, 2, head_dim, device="cuda", mask_shape=(2, 1, 1, 70), bias_shape=(2, 2, 1, 70))
+    check_against_reference(case, torch.randn(case["q"].shape, device="cuda").bfloat16(), is_causal=True)
+
+
+def test_autocast_runs_float32_in_the_autocast_dtype():
+    case = make_case(2, 64, 80, 4, 2, 64, dtype=torch.float32, device="cuda", bias_shape=(2, 2, 1, 80))
+    dout = torch.randn(case["q"].shape, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _, grads = run_flash(case, dout, is_causal=True)
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads.values())
+    rounded = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in case.items()}
+    ref_out, _, ref_grads = run_reference(rounded, dout, is_causal=True)
+    base_out, _, base_grads = run_reference(rounded, dout, is_causal=True, upcast=False)
+    assert_within_baseline("out", out, ref_out, base_out)
+    for name, grad in grads.items():
+        assert_within_baseline(f"d{name}", grad, ref_grads[name], base_grads[name])
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    case = make_case(2, 256, 256, 8, 2, 64, device="cuda", bias_shape=(1, 1, 256, 256))
+    dout = torch.randn(case["q"].shape, device="cuda").bfloat16()
+    first = run_flash(case, dout, deterministic=True)[2]
+    for _ in range(3):
+        again = run_flash(case, dout, deterministic=True)[2]
+        assert all(torch.equal(first[n], again[n]) for n in first)
+
+
+def test_launches_on_the_current_stream():
+    """Inputs written on a side stream behind a long sleep: a launch on any other stream would
+    read them before they are written."""
+    case = make_case(2, 128, 128, 4, 2, 64, device="cuda", bias_shape=(2, 2, 1, 128))
+    expected = flash_dmattn_func(case["q"], case["k"], case["v"], attn_bias=case["bias"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        inputs = {n: torch.zeros_like(case[n]) for n in ("q", "k", "v", "bias")}
+        torch.cuda._sleep(200_000_000)
+        for n, t in inputs.items():
+            t.copy_(case[n])
+        out = flash_dmattn_func(inputs["q"], inputs["k"], inputs["v"], attn_bias=inputs["bias"])
+    side.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_decode_with_a_workspace():
+    """A decode call splits the keys (workspace from torch's allocator) and matches the reference."""
+    case = make_case(1, 1, 8192, 32, 8, 128, device="cuda", mask_shape=(1, 8, 1, 8192), bias_shape=(1, 8, 1, 8192))
+    out, lse = torch.empty_like(case["q"]), torch.empty(1, 32, 1, device="cuda")
+    views = [_C.View(t.data_ptr(), "bfloat16", t.shape, t.stride(), "cuda", 0)
+             for t in (case["q"], case["k"], case["v"], out)]
+    args = _C.ForwardArgs(*views, _C.View(lse.data_ptr(), "float32", lse.shape, lse.stride(), "cuda", 0))
+    assert _C.forward_workspace_size(args) > 0
+    check_against_reference(case, None)
+
+
+def test_mixed_devices_fail_before_launch():
+    case = make_case(1, 8, 8, 2, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="argument 'attn_mask': expected the device of query"):
+        flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=torch.ones(1, 1, 1, 8, dtype=torch.bool))
+
+
+def test_opcheck_on_cuda():
+    """Schema, fake implementation and autograd registration of the ops, checked on CUDA tensors."""
+    case = make_case(2, 40, 56, 4, 2, 64, device="cuda", mask_shape=(2, 1, 1, 56), bias_shape=(2, 2, 1, 56))
+    q, k, v, bias = (case[n].requires_grad_() for n in ("q", "k", "v", "bias"))
+    torch.library.opcheck(torch_ops.forward, (q, k, v, case["mask"], bias, None, True, 0.0, True))
