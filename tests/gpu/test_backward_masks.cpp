@@ -10,21 +10,10 @@
 #include <string>
 
 #include "backward_harness.h"
+#include "mask_bias_edits.h"
 
 namespace flash_dmattn::test {
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// Calls fn(b, h, i, j, offset) for every element of a (B, H, Sq, Sk)-shaped host tensor.
-template <typename Fn>
-void for_each_index(const HostTensor& t, Fn fn) {
-  const TensorView& v = t.view;
-  for (std::int64_t b = 0; b < v.shape[0]; ++b)
-    for (std::int64_t h = 0; h < v.shape[1]; ++h)
-      for (std::int64_t i = 0; i < v.shape[2]; ++i)
-        for (std::int64_t j = 0; j < v.shape[3]; ++j) fn(b, h, i, j, host::offset4(v, b, h, i, j));
-}
 
 class BackwardSparseMasks : public GpuTest {};
 
@@ -80,12 +69,7 @@ TEST_F(BackwardSparseMasks, WholeTilesEmpty) {
       SCOPED_TRACE(std::string("D=") + std::to_string(head_dim) + (causal ? ", causal" : ", non-causal"));
       c.causal = causal;
       BackwardProblem p = BackwardProblem::random(c, rng);
-      // 128-row x 64-key tiles: pairs of them (128x128 blocks) in a checkerboard, plus scattered
-      // single ones.
-      for_each_index(*p.mask, [&](std::int64_t, std::int64_t, std::int64_t i, std::int64_t j, std::int64_t offset) {
-        const std::int64_t ti = i / 128, tj = j / 64;
-        if ((ti + tj / 2) % 2 == 0 || (7 * ti + tj) % 5 == 0) p.mask->set(offset, 0.0);
-      });
+      empty_tiles_in_a_checkerboard(p);
       expect_backward_matches_reference(p, stream());
       if (test_stopped()) return;
     }
@@ -160,28 +144,14 @@ TEST_F(BackwardSparseMasks, NoMaskNoBias) {
   }
 }
 
-// Mask and bias both (B, H, Sq, Sk), so one index names the same position in each.
-BackwardCase full_mask_and_bias(DType bias_dtype, double density) {
-  BackwardCase c;
-  c.n = Sizes{2, 150, 300, 4, 2, 64};
-  c.mask = OperandShape{true, c.n.H, true, true};
-  c.density = density;
-  c.bias = OperandShape{true, c.n.H, true, true};
-  c.bias_dtype = bias_dtype;
-  return c;
-}
-
 class BackwardBiasEdges : public GpuTest {};
 
 TEST_F(BackwardBiasEdges, NegativeInfinityAtSomeVisibleKeys) {
   auto rng = test_rng();
   for (const DType bias_dtype : {DType::bfloat16, DType::float32}) {
     SCOPED_TRACE(dtype_name(bias_dtype));
-    BackwardProblem p = BackwardProblem::random(full_mask_and_bias(bias_dtype, 0.7), rng);
-    std::bernoulli_distribution hide(0.1);
-    for_each_index(*p.bias, [&](std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t offset) {
-      if (hide(rng)) p.bias->set(offset, -kInf);
-    });
+    BackwardProblem p = BackwardProblem::random(full_mask_and_bias<BackwardCase>(bias_dtype, 0.7), rng);
+    negative_infinity_at_random(p, rng);
     expect_backward_matches_reference(p, stream());
     if (test_stopped()) return;
   }
@@ -199,46 +169,31 @@ TEST_F(BackwardBiasEdges, NegativeInfinityInASharedBias) {
   c.causal = true;
   BackwardProblem p = BackwardProblem::random(c, rng);
   for_each_index(*p.bias, [&](std::int64_t, std::int64_t, std::int64_t, std::int64_t j, std::int64_t offset) {
-    if (j % 7 == 3 || (j >= 128 && j < 192)) p.bias->set(offset, -kInf);
+    if (j % 7 == 3 || (j >= 128 && j < 192)) p.bias->set(offset, -kInfinity);
   });
   expect_backward_matches_reference(p, stream());
 }
 
 TEST_F(BackwardBiasEdges, RowsWhoseVisibleLogitsAreAllNegativeInfinityAreEmpty) {
   auto rng = test_rng();
-  BackwardProblem p = BackwardProblem::random(full_mask_and_bias(DType::float32, 0.6), rng);
-  // Rows i % 5 == 0: -inf everywhere. Rows i % 5 == 2: -inf at the visible keys only, finite at
-  // the hidden ones, which must not revive the row.
-  for_each_index(*p.bias, [&](std::int64_t, std::int64_t, std::int64_t i, std::int64_t, std::int64_t offset) {
-    const bool visible = p.mask->get(offset) != 0.0;
-    if (i % 5 == 0 || (i % 5 == 2 && visible)) p.bias->set(offset, -kInf);
-  });
+  BackwardProblem p = BackwardProblem::random(full_mask_and_bias<BackwardCase>(DType::float32, 0.6), rng);
+  empty_rows_through_negative_infinity(p);
   expect_backward_matches_reference(p, stream());
 }
 
 TEST_F(BackwardBiasEdges, BiasAtHiddenPositionsIsNeverRead) {
   auto rng = test_rng();
-  BackwardCase c = full_mask_and_bias(DType::bfloat16, 0.5);
+  BackwardCase c = full_mask_and_bias<BackwardCase>(DType::bfloat16, 0.5);
   c.causal = true;
   BackwardProblem p = BackwardProblem::random(c, rng);
-  // docs/semantics.md §3: bias values where the mask or causality hides the key may be anything;
-  // their dbias is exactly 0.
-  const double garbage[2] = {std::numeric_limits<double>::quiet_NaN(), kInf};
-  for_each_index(*p.bias, [&](std::int64_t, std::int64_t, std::int64_t i, std::int64_t j, std::int64_t offset) {
-    const bool visible = p.mask->get(offset) != 0.0 && j <= i + c.n.Sk - c.n.Sq;
-    if (!visible) p.bias->set(offset, garbage[(i + j) % 2]);
-  });
+  garbage_at_hidden_positions(p);
   expect_backward_matches_reference(p, stream());
 }
 
 TEST_F(BackwardBiasEdges, LargeFiniteNegativeBiasDoesNotHideKeys) {
   auto rng = test_rng();
-  BackwardProblem p = BackwardProblem::random(full_mask_and_bias(DType::float32, 0.6), rng);
-  // Every key of rows i % 3 == 0 carries -30000: a finite logit, so the rows are not empty (§5)
-  // and get ordinary gradients.
-  for_each_index(*p.bias, [&](std::int64_t, std::int64_t, std::int64_t i, std::int64_t, std::int64_t offset) {
-    if (i % 3 == 0) p.bias->set(offset, -30000.0);
-  });
+  BackwardProblem p = BackwardProblem::random(full_mask_and_bias<BackwardCase>(DType::float32, 0.6), rng);
+  large_negative_bias_rows(p);
   expect_backward_matches_reference(p, stream());
 }
 
