@@ -8,7 +8,8 @@
 # from CUTLASS_DIR (default .carry/cutlass).
 #
 # Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real), CMAKE_BUILD_PARALLEL_LEVEL (default every
-# core), PYTEST_ARGS (more pytest arguments, e.g. "-x -k cuda"), VENV (default
+# core), PYTEST_ARGS (more pytest arguments, e.g. "-x -k cuda"), BENCH_ARGS (when set, runs
+# `python -m flash_dmattn.bench $BENCH_ARGS` last, with its JSON and plot under $OUT), VENV (default
 # /tmp/flash_dmattn_venv). The CMake build stays in build-python/, so a second run (after a time
 # limit cut the first, say) only relinks.
 set -uo pipefail
@@ -70,6 +71,14 @@ pytest_rc=$?
 pytest_s=$(( $(date +%s) - start ))
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
 
+bench_rc=0
+if [ -n "${BENCH_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  "$py" -m flash_dmattn.bench $BENCH_ARGS --results-dir "$OUT" --no-progress > "$OUT/bench.log" 2>&1
+  bench_rc=$?
+  tail -60 "$OUT/bench.log"
+fi
+
 echo
 echo "================ summary ================"
 cat "$OUT/device.txt"
@@ -77,4 +86,5 @@ echo "install: ok in ${install_s}s (archs $FLASH_DMATTN_CUDA_ARCHS); $backends"
 echo "ldd $(basename "$extension"): $ldd_result"
 echo "README example: $([ $example_rc -eq 0 ] && echo ok || echo "FAILED (rc=$example_rc), see $OUT/readme_example.log")"
 echo "pytest (${pytest_s}s, rc=$pytest_rc): $(tail -1 "$OUT/pytest.log")"
-[ $example_rc -eq 0 ] && [ $pytest_rc -eq 0 ] && [[ "$ldd_result" == ok* ]]
+[ -n "${BENCH_ARGS:-}" ] && echo "bench (rc=$bench_rc): $OUT/bench.log"
+[ $example_rc -eq 0 ] && [ $pytest_rc -eq 0 ] && [ $bench_rc -eq 0 ] && [[ "$ldd_result" == ok* ]]

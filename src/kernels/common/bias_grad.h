@@ -3,8 +3,8 @@
 // Each thread adds the dZ of the accumulator elements it holds, in the shape the bias asks for
 // (BiasGradKind): a whole element, or a per-key column sum (bias query dim 1). Column sums are
 // reduced across the CTA through shared memory in a fixed order (shuffles, then warps in index
-// order), so the result is bitwise reproducible; only the cross-CTA accumulation of the default
-// mode uses atomics. A bias with key dim 1 never gets here: its gradient is exactly 0.
+// order), so the result is bitwise reproducible. Accumulation across CTAs uses reductions, into
+// one shared slot by default or into a slot per CTA in deterministic mode. A bias with key dim 1 never gets here: its gradient is exactly 0.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,7 +27,7 @@ __device__ __forceinline__ void store_as(ElementType type, void* base, std::int6
 template <int kBlockM, int kBlockN, int kCols, int kWarpsM, int kThreads>
 struct BiasGradTile {
   BiasGradKind kind;
-  bool direct, deterministic;
+  bool direct;
   // A plain copy: taking the address of the __grid_constant__ parameters would move every access
   // to generic memory (fields used only on rare paths are re-read from parameter space).
   BiasGrad g;
@@ -36,7 +36,7 @@ struct BiasGradTile {
   float col_sum[kCols];  // columns: this thread's part of the current bias head's key sums
 
   __device__ __forceinline__ BiasGradTile(const BackwardParams& p, int b, int kv_head)
-      : kind(p.dbias.kind), direct(p.dbias.direct), deterministic(p.deterministic), g(p.dbias), batch(b) {
+      : kind(p.dbias.kind), direct(p.dbias.direct), g(p.dbias), batch(b) {
     const int batch_slot = g.batch_slots > 1 ? b : 0;
     const int kv_slot = kv_head % g.kv_slots;
     slot_base = (std::int64_t(batch_slot) * g.kv_slots + kv_slot) * g.accum_slot_stride;
@@ -53,25 +53,44 @@ struct BiasGradTile {
            i * g.accum_row_stride + j;
   }
 
-  __device__ __forceinline__ void accumulate(std::int64_t offset, float x) const {
-    float* a = g.accum + offset;
-    if (deterministic) {
-      *a += x;
-    } else {
-      atomicAdd(a, x);
-    }
-  }
+  // A reduction in either mode: in deterministic mode this CTA owns its slot, and one thread's
+  // reductions to one address take effect in program order.
+  __device__ __forceinline__ void accumulate(std::int64_t offset, float x) const { atomicAdd(g.accum + offset, x); }
 
-  // dZ of element c of the thread's fragment row, at query row i and key j of head `head`.
-  __device__ __forceinline__ void add(int c, int head, int i, int j, int seqlen_q, int seqlen_k, float dz) {
+  // Adds the dZ of one (query tile, key tile) pair: dz and coords are the thread's accumulator
+  // in its (rows, cols) view and the (row, col) in the tile of each element. A pass of its own
+  // after the per-element work, not inside it: there it would hold this state's registers across
+  // every specialization of the mask/bias loop, where the backward spilled.
+  template <typename TensorZ, typename TensorC>
+  __device__ __forceinline__ void add_tile(const TensorZ& dz, const TensorC& coords, int head, int row0, int n_begin,
+                                           int seqlen_q, int seqlen_k) {
+    using namespace cute;
+    constexpr int kRows = decltype(size<0>(dz))::value;
     if (kind == BiasGradKind::columns) {
-      col_sum[c] += dz;
-    } else if (kind == BiasGradKind::elements && i < seqlen_q && j < seqlen_k) {
-      if (direct) {
-        store_as(g.type, g.out,
-                 batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + i * g.row_stride + j, dz);
-      } else if (dz != 0.f) {
-        accumulate(accum_offset(head, i, j), dz);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) col_sum[c] += dz(r, c);
+      }
+      return;
+    }
+    if (kind != BiasGradKind::elements) return;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + get<0>(coords(r, 0));
+      if (i >= seqlen_q) continue;
+      const std::int64_t row = direct ? batch * g.batch_stride + (head / g.head_divisor) * g.head_stride +
+                                            i * g.row_stride + n_begin
+                                      : accum_offset(head, i, n_begin);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int j = get<1>(coords(r, c));
+        if (n_begin + j >= seqlen_k) continue;
+        if (direct) {
+          store_as(g.type, g.out, row + j, dz(r, c));
+        } else if (dz(r, c) != 0.f) {
+          accumulate(row + j, dz(r, c));
+        }
       }
     }
   }

@@ -45,29 +45,28 @@ __device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords
   }
 }
 
-// dq_accum += dQ of one query tile. Default mode: fp32 atomics (fire-and-forget reductions).
-// Deterministic mode: this CTA owns its slot and each element always belongs to the same thread,
-// so plain read-modify-writes in loop order are reproducible; every load is issued before the
-// first add, since the compiler cannot tell that the stores do not alias the later loads.
+// dq_accum += dQ of one query tile, by fire-and-forget reductions. This is also what makes
+// deterministic mode reproducible: there every CTA owns its dq slot and every element of it
+// belongs to one thread, and reductions by one thread to one address take effect in program
+// order, so each element's additions happen in the CTA's loop order.
 template <typename Acc, typename TensorC>
 __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coords, float* rows, int row0, int seqlen_q,
-                                              int head_dim, bool deterministic) {
+                                              int head_dim) {
   using namespace cute;
   constexpr int kElems = decltype(size(acc))::value;
   auto in_bounds = [&](int e) { return row0 + get<0>(coords(e)) < seqlen_q && get<1>(coords(e)) < head_dim; };
   auto address = [&](int e) { return rows + std::int64_t(row0 + get<0>(coords(e))) * head_dim + get<1>(coords(e)); };
-  if (!deterministic) {
-    CUTE_UNROLL
-    for (int e = 0; e < kElems; ++e)
-      if (in_bounds(e)) atomicAdd(address(e), acc(e));
-    return;
-  }
-  float old[kElems];
+#if __CUDA_ARCH__ >= 900
+  // Elements e and e + 1 are neighbouring columns of one row (head_dim is even): one 8-byte
+  // vector reduction fills whole L2 sectors where two scalar ones would each fill half.
   CUTE_UNROLL
-  for (int e = 0; e < kElems; ++e) old[e] = in_bounds(e) ? *address(e) : 0.f;
+  for (int e = 0; e < kElems; e += 2)
+    if (in_bounds(e)) atomicAdd(reinterpret_cast<float2*>(address(e)), make_float2(acc(e), acc(e + 1)));
+#else
   CUTE_UNROLL
   for (int e = 0; e < kElems; ++e)
-    if (in_bounds(e)) *address(e) = old[e] + acc(e);
+    if (in_bounds(e)) atomicAdd(address(e), acc(e));
+#endif
 }
 
 template <typename Traits>
@@ -251,14 +250,22 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
       {
         const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
         Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-        Tensor dp = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
-        policy.apply(acc_s, tScS, n_block, elementwise, [&](int r, int c, float z, float dcap) {
+        Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+        float dcap[kRows][kCols];  // softcap only: dZ -> dS once dbias has read dZ
+        policy.apply(acc_s, tScS, n_block, elementwise, [&](int r, int c, float z, float dcap_rc) {
           const float prob = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
-          const float dz = prob * (dp(r, c) - dsum[r]);
           s(r, c) = prob;
-          dp(r, c) = dz * dcap;
-          dbias.add(c, h, row0 + get<0>(tScS_rc(r, c)), n_begin + get<1>(tScS_rc(r, c)), f.seqlen_q, f.seqlen_k, dz);
+          dz(r, c) = prob * (dz(r, c) - dsum[r]);
+          dcap[r][c] = dcap_rc;
         });
+        dbias.add_tile(dz, tScS_rc, h, row0, n_begin, f.seqlen_q, f.seqlen_k);
+        if (f.softcap > 0.f) {
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < kCols; ++c) dz(r, c) *= dcap[r][c];
+          }
+        }
       }
       Tensor p_values = convert_fragment<Element>(acc_s);
       Tensor ds_values = convert_fragment<Element>(acc_dp);
@@ -272,7 +279,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-      accumulate_dq(acc_dq, tdQcdQ, dq_rows, row0, f.seqlen_q, f.head_dim, p.deterministic);
+      accumulate_dq(acc_dq, tdQcdQ, dq_rows, row0, f.seqlen_q, f.head_dim);
 
       gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
                      thr_dkv_a, thr_dkv_b);
