@@ -1,0 +1,371 @@
+"""The implementations compared, one class each. Every one gets the same Problem and returns a
+Runner: its inputs in its own layout (made before timing), the call, the per-mask preparation it
+needs (timed apart as "prep"), and how to put its results back into our layout for the check.
+
+- ours: flash_dmattn_func with the bool mask and the (B, Hk, 1, Sk) bias; the bias gradient
+  comes from bias.requires_grad.
+- sdpa_efficient: SDPA's memory-efficient backend with mask and bias folded into one float mask
+  bias + where(mask, 0, -inf) of shape (B, H, Sq, Sk) (what a user without this library does).
+  That float mask requires grad in the backward; its (B, H, Sq, Sk) gradient, reduced to
+  (B, Hk, 1, Sk), is the bias gradient. The causal limit is part of the float mask.
+- sdpa_cudnn, sdpa_flash: SDPA's cuDNN and FlashAttention-2 backends with no mask and no bias,
+  causal through is_causal: dense ceilings, not the same function (checked against ours called
+  without mask and bias).
+- flex: FlexAttention, torch.compile'd, with a BlockMask built by create_block_mask (also
+  compiled) from a mask_mod that indexes the mask tensor, and a score_mod that adds the bias
+  (a captured tensor; it requires grad where the installed torch supports that).
+
+GQA: SDPA backends get enable_gqa=True where they accept it, else K and V repeated per query
+head by repeat_interleave inside the timed call (each row's notes say which); ours and
+FlexAttention (enable_gqa) take the KV heads as they are.
+"""
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .flops import kernel_tiles
+from .problem import Problem, causal_keep
+from .suites import Case
+
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # a RuntimeError: catch it first
+
+
+@dataclass
+class Runner:
+    names: Sequence[str]             # one per input: "q", "k", "v", "bias", "mask", "attn_mask"
+    inputs: list                     # tensors (or None) in call order; those that require grad get gradients
+    call: Callable                   # call(*inputs) -> output in the implementation's layout
+    dout: torch.Tensor               # the output gradient in that layout
+    canonical: Callable              # canonical(name, tensor) -> tensor in our layout ("out" or an input name)
+    rebuild: Optional[Callable] = None   # the per-mask preparation (prep ms), or None
+    notes: List[str] = field(default_factory=list)
+
+    def grad_inputs(self, inputs) -> list:
+        return [(n, t) for n, t in zip(self.names, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def footprint(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.inputs if isinstance(t, torch.Tensor))
+
+    def copy_inputs(self) -> list:
+        return [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                for t in self.inputs]
+
+    def results(self, grad: bool) -> dict:
+        """{"out": ..., name: gradient ...} in our layout, for the check."""
+        out = self.call(*self.inputs)
+        results = {"out": self.canonical("out", out.detach())}
+        if grad:
+            pairs = self.grad_inputs(self.inputs)
+            grads = torch.autograd.grad(out, [t for _, t in pairs], self.dout)
+            # SDPA's float mask stands for the bias: its gradient, reduced by canonical, is dbias.
+            results.update({("bias" if n == "attn_mask" else n): self.canonical(n, g)
+                            for (n, _), g in zip(pairs, grads)})
+        return results
+
+
+def _leaf(t: Optional[torch.Tensor], grad: bool) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().clone().requires_grad_(grad)
+
+
+def _heads_first(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """(B, S, H, D) -> a contiguous (B, H, S, D) leaf: the layout SDPA and FlexAttention want."""
+    return t.detach().transpose(1, 2).contiguous().requires_grad_(grad)
+
+
+def _from_heads_first(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2) if name in ("out", "q", "k", "v") else t
+
+
+def first_line(error: BaseException) -> str:
+    """'Type: the first line of the message', short enough for a table row."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:160]
+
+
+class Implementation:
+    name = ""
+    computes_case = True   # False: a dense ceiling, without the case's mask and bias
+    # What it computes, for the visited-tile FLOPs: "tiles" (skips tiles without a visible key, at
+    # the tile shapes of tiles()), "causal" (the causal limit's pairs: dense), or "all" (every
+    # pair; the causal limit hidden in a float mask).
+    visits = "causal"
+
+    def tiles(self, head_dim: int) -> dict:
+        """{"fwd": (block_m, block_n), "bwd": ...} where visits == "tiles"."""
+        return {}
+
+    def unavailable(self, device: torch.device) -> Optional[str]:
+        """Why this implementation cannot run here at all, or None."""
+        return None
+
+    def unsupported(self, case: Case, device: torch.device) -> Optional[str]:
+        """Why it cannot run this case, or None."""
+        return None
+
+    def backward_unsupported(self, device: torch.device) -> Optional[str]:
+        return None
+
+    def runner(self, problem: Problem, grad: bool) -> Runner:
+        raise NotImplementedError
+
+
+class Ours(Implementation):
+    name = "ours"
+    visits = "tiles"
+    tiles = staticmethod(kernel_tiles)
+
+    def __init__(self, use_mask: bool = True, use_bias: bool = True):
+        # Without mask and bias: the reference that the dense ceilings are checked against.
+        self.use_mask, self.use_bias = use_mask, use_bias
+
+    def unavailable(self, device):
+        from .. import core
+        if device.type == "cuda" and not core.cuda_compiled():
+            return "flash_dmattn was installed without the CUDA backends (no nvcc at install time)"
+        return None
+
+    def runner(self, problem, grad):
+        from ..interface import flash_dmattn_func
+        causal = problem.case.causal
+        q, k, v = (_leaf(t, grad) for t in (problem.q, problem.k, problem.v))
+        bias = _leaf(problem.bias, grad) if self.use_bias else None
+        mask = problem.mask if self.use_mask else None
+
+        def call(q, k, v, bias, mask):
+            return flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=causal)
+
+        return Runner(("q", "k", "v", "bias", "mask"), [q, k, v, bias, mask], call, problem.dout,
+                      lambda name, t: t)
+
+
+class _Sdpa(Implementation):
+    """SDPA pinned to one backend; GQA through enable_gqa where the backend takes it."""
+    backend_name = ""
+
+    def _backend(self):
+        from torch.nn.attention import SDPBackend
+        return getattr(SDPBackend, self.backend_name, None)
+
+    def unavailable(self, device):
+        try:
+            from torch.nn.attention import sdpa_kernel  # noqa: F401  (torch >= 2.3)
+        except ImportError:
+            return "torch.nn.attention.sdpa_kernel is missing (torch < 2.3)"
+        if self._backend() is None:
+            return f"this torch has no SDPBackend.{self.backend_name}"
+        return None
+
+    def _gqa_call(self, problem: Problem, attention: Callable, inputs: list, grad: bool):
+        """A call that handles GQA: enable_gqa where this backend accepts it (tried on the inputs,
+        with the backward where one is timed), else repeat_interleave of K and V inside the call."""
+        from torch.nn.attention import sdpa_kernel
+        case = problem.case
+        group = case.heads // case.kv_heads
+        backend = self._backend() if problem.q.device.type == "cuda" else None
+
+        def run(q, k, v, *rest, enable_gqa):
+            if group > 1 and not enable_gqa:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            extra = {"enable_gqa": True} if group > 1 and enable_gqa else {}
+            # On the CPU (harness tests) SDPA picks its own kernel: the CUDA backends do not exist there.
+            if backend is None:
+                return attention(q, k, v, *rest, **extra)
+            with sdpa_kernel(backend):
+                return attention(q, k, v, *rest, **extra)
+
+        if group == 1:
+            return (lambda *a: run(*a, enable_gqa=False)), "gqa: none (H = Hk)"
+        try:
+            with warnings.catch_warnings():  # SDPA warns about each backend it could not use
+                warnings.simplefilter("ignore")
+                out = run(*inputs, enable_gqa=True)
+                if grad:
+                    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+                    torch.autograd.grad(out, leaves, torch.ones_like(out))
+            return (lambda *a: run(*a, enable_gqa=True)), "gqa: enable_gqa"
+        except OOM:
+            raise
+        except (RuntimeError, TypeError) as error:
+            return (lambda *a: run(*a, enable_gqa=False)), f"gqa: repeat_interleave ({first_line(error)})"
+
+
+class SdpaEfficient(_Sdpa):
+    name = "sdpa_efficient"
+    backend_name = "EFFICIENT_ATTENTION"
+    visits = "all"
+
+    def runner(self, problem, grad):
+        case = problem.case
+        q, k, v = (_heads_first(t, grad) for t in (problem.q, problem.k, problem.v))
+
+        def fold():
+            return fold_mask(problem)
+
+        def attention(q, k, v, attn_mask, **options):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
+
+        attn_mask = fold()
+        if attn_mask is not None:
+            attn_mask.requires_grad_(grad and problem.bias is not None)
+        call, gqa = self._gqa_call(problem, attention, [q, k, v, attn_mask], grad)
+        group = case.heads // case.kv_heads
+
+        def canonical(name, t):
+            if name != "attn_mask":
+                return _from_heads_first(name, t)
+            # (B, H, Sq, Sk) -> the bias gradient (B, Hk, 1, Sk): summed over the group's query heads and rows.
+            b, _, sq, sk = t.shape
+            return t.float().view(b, case.kv_heads, group, sq, sk).sum(dim=(2, 3)).unsqueeze(2)
+
+        return Runner(("q", "k", "v", "attn_mask"), [q, k, v, attn_mask], call,
+                      problem.dout.transpose(1, 2).contiguous(), canonical, rebuild=fold, notes=[gqa])
+
+
+def fold_mask(problem: Problem) -> Optional[torch.Tensor]:
+    """bias + where(visible, 0, -inf) as one (B, H, Sq, Sk) float mask in q's dtype, causal limit
+    included; None when there is neither mask nor bias nor causal limit."""
+    case = problem.case
+    if problem.mask is None and problem.bias is None and not case.causal:
+        return None
+    keep = problem.mask
+    if case.causal:
+        limit = causal_keep(case.seqlen_q, case.seqlen_k, problem.q.device)
+        keep = limit if keep is None else keep & limit
+    bias = problem.bias if problem.bias is not None else torch.zeros((), dtype=problem.q.dtype, device=problem.q.device)
+    folded = bias if keep is None else torch.where(keep, bias, float("-inf"))       # (B|1, Hk|1, Sq|1, Sk)
+    folded = folded.to(problem.q.dtype)
+    while folded.dim() < 4:
+        folded = folded[None]
+    b, hk, sq, sk = folded.shape
+    group = case.heads // hk  # hk is Hk or 1
+    # Query head h reads KV head h // group: expand each KV head's map over its group, then copy
+    # into the dense (B, H, Sq, Sk) layout SDPA reads.
+    folded = folded[:, :, None].expand(b, hk, group, sq, sk).reshape(b, hk * group, sq, sk)
+    return folded.expand(case.batch, case.heads, case.seqlen_q, case.seqlen_k).contiguous()
+
+
+class _DenseCeiling(_Sdpa):
+    """No mask, no bias: how fast dense attention of the same shape runs on this backend."""
+    computes_case = False
+
+    def unsupported(self, case, device):
+        if case.causal and case.seqlen_q not in (1, case.seqlen_k):
+            return "SDPA's is_causal is top-left aligned; the case's causal limit is bottom-right"
+        return None
+
+    def runner(self, problem, grad):
+        case = problem.case
+        # With one query row the bottom-right causal limit shows every key: not causal for SDPA.
+        is_causal = case.causal and case.seqlen_q > 1
+        q, k, v = (_heads_first(t, grad) for t in (problem.q, problem.k, problem.v))
+
+        def attention(q, k, v, **options):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
+
+        call, gqa = self._gqa_call(problem, attention, [q, k, v], grad)
+        return Runner(("q", "k", "v"), [q, k, v], call, problem.dout.transpose(1, 2).contiguous(),
+                      _from_heads_first, notes=[gqa])
+
+
+class SdpaCudnn(_DenseCeiling):
+    name = "sdpa_cudnn"
+    backend_name = "CUDNN_ATTENTION"
+
+    def unavailable(self, device):
+        if device.type == "cuda" and not torch.backends.cudnn.is_available():
+            return "cuDNN is not available to torch"
+        return super().unavailable(device)
+
+
+class SdpaFlash(_DenseCeiling):
+    name = "sdpa_flash"
+    backend_name = "FLASH_ATTENTION"
+
+
+class Flex(Implementation):
+    name = "flex"
+    visits = "tiles"
+    BLOCK = (128, 128)  # create_block_mask's default BLOCK_SIZE, used below
+    _compiled = {}  # one compiled flex_attention and create_block_mask per process
+
+    def tiles(self, head_dim):
+        return {"fwd": self.BLOCK, "bwd": self.BLOCK}
+
+    def unavailable(self, device):
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+        except ImportError as error:
+            return f"FlexAttention is missing ({first_line(error)})"
+        return None
+
+    def backward_unsupported(self, device):
+        return "FlexAttention has no backward on the CPU" if device.type == "cpu" else None
+
+    @classmethod
+    def _functions(cls):
+        if not cls._compiled:
+            import torch._dynamo
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            # Every case compiles its own shapes; the default limit of 8 graphs would be reached
+            # by a sweep, after which torch would run flex_attention uncompiled (and very slowly).
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, limit):
+                    setattr(torch._dynamo.config, limit, 256)
+                    break
+            cls._compiled["attention"] = torch.compile(flex_attention, dynamic=False)
+            cls._compiled["block_mask"] = torch.compile(create_block_mask, dynamic=False)
+        return cls._compiled["attention"], cls._compiled["block_mask"]
+
+    def runner(self, problem, grad):
+        case = problem.case
+        attention, block_mask_of = self._functions()
+        # The mods capture plain values and tensors only: torch.compile guards on what they
+        # capture, and the same code over new tensors of the same shapes must not recompile.
+        group, offset, causal = case.heads // case.kv_heads, case.seqlen_k - case.seqlen_q, case.causal
+        mask = problem.mask
+        if mask is not None:  # size-1 dims as zero-stride views, so that one index expression serves all
+            mask = mask.expand(case.batch, case.kv_heads, case.seqlen_q, case.seqlen_k)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = kv_idx <= q_idx + offset if causal else kv_idx >= 0
+            return keep if mask is None else keep & mask[b, h // group, q_idx, kv_idx]
+
+        def rebuild():
+            if mask is None and not causal:
+                return None
+            return block_mask_of(mask_mod, case.batch, case.heads, case.seqlen_q, case.seqlen_k,
+                                 device=problem.q.device, BLOCK_SIZE=self.BLOCK)
+
+        block_mask = rebuild()
+        gqa = {"enable_gqa": True} if group > 1 else {}
+
+        def adds(bias):
+            """The score_mod adding bias; made per call, so that each input copy brings its own bias."""
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + bias[b, h // group, 0, kv_idx]
+            return score_mod
+
+        def call(q, k, v, bias):
+            score_mod = None if bias is None else adds(bias)
+            return attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **gqa)
+
+        q, k, v = (_heads_first(t, grad) for t in (problem.q, problem.k, problem.v))
+        bias = _leaf(problem.bias, grad)
+        runner = Runner(("q", "k", "v", "bias"), [q, k, v, bias], call, problem.dout.transpose(1, 2).contiguous(),
+                        _from_heads_first, rebuild=rebuild, notes=["gqa: enable_gqa" if group > 1 else "gqa: none"])
+        if grad and bias is not None:
+            # The gradient of a captured tensor: older torch versions refuse it; run once to find out.
+            try:
+                runner.results(grad=True)
+            except OOM:
+                raise
+            except (RuntimeError, NotImplementedError, AssertionError) as error:
+                runner.inputs[3] = bias.detach()
+                runner.notes.append(f"dbias unsupported ({first_line(error)})")
+        return runner
+
+
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}

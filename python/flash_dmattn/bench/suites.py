@@ -1,0 +1,156 @@
+"""The benchmark suites: named lists of cases (shapes, mask kind, what is timed).
+
+Every case has a (B, Hk, 1, Sk) bias unless it says otherwise, and, for masked kinds, one bool
+mask of shape (B, Hk, Sq, Sk) (decode: (B, Hk, 1, Sk)) that every implementation is given:
+- "all_true": every key kept (the dense-equivalent case: mask and bias cost, no skipping);
+- "window": a causal sliding window, row i keeps keys (i' - window, i'] with i' = i + Sk - Sq;
+- "topk": per query row, the `window` keys of highest bias among those causality allows, made with
+  flash_dmattn.create_mask as upstream's benchmarks make it (no block smoothing);
+- "none": no mask at all (the bias alone).
+
+Plain Python (no torch), so that `--list` and the tests run anywhere.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+MODES = ("fwd", "bwd", "fwd_bwd")
+MASK_KINDS = ("none", "all_true", "window", "topk")
+
+
+@dataclass(frozen=True)
+class Case:
+    suite: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    mask: str
+    window: int = 0         # "window": width of the sliding window; "topk": keys kept per query row
+    bias: bool = True       # a (B, Hk, 1, Sk) bias, with its gradient in the backward
+    backward: bool = True   # False: inference (decode), the forward alone
+    sweep: str = ""         # the plot group this case belongs to ("" = not plotted)
+    x: int = 0              # its position on that group's x axis
+
+    def __post_init__(self):
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"Case: mask kind {self.mask!r} not in {MASK_KINDS}")
+        if self.mask in ("window", "topk") and self.window <= 0:
+            raise ValueError(f"Case: mask kind {self.mask!r} needs a window > 0")
+        if self.mask == "topk" and not self.bias:
+            raise ValueError("Case: a top-k mask is chosen from the bias, so it needs one")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"Case: kv_heads {self.kv_heads} does not divide heads {self.heads}")
+
+    @property
+    def mask_label(self) -> str:
+        return {"none": "nomask", "all_true": "alltrue", "window": f"win{self.window}",
+                "topk": f"top{self.window}"}[self.mask] + ("" if self.bias else " nobias")
+
+    @property
+    def name(self) -> str:
+        """Upstream's naming, e.g. 'B2 H16/4 Q8192 K8192 D128 C top2048'."""
+        causal = " C" if self.causal else ""
+        return (f"B{self.batch} H{self.heads}/{self.kv_heads} Q{self.seqlen_q} K{self.seqlen_k} "
+                f"D{self.head_dim}{causal} {self.mask_label}")
+
+    @property
+    def modes(self) -> Tuple[str, ...]:
+        return MODES if self.backward else ("fwd",)
+
+    @property
+    def key(self) -> tuple:
+        """What the timings depend on: two cases of equal key (one point in two sweeps) run once."""
+        return (self.batch, self.heads, self.kv_heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal,
+                self.mask, self.window, self.bias, self.backward)
+
+
+def _powers_of_two(low: int, high: int) -> List[int]:
+    values = []
+    while low <= high:
+        values.append(low)
+        low *= 2
+    return values
+
+
+def seed(quick: bool = False) -> List[Case]:
+    """Seed PR #145's backward sweep: B1 H2/1 D32 causal, per-query top-W keys, W from 32 to S."""
+    s = 4096 if quick else 16384
+    windows = [64, 1024, s] if quick else _powers_of_two(32, s)
+    return [Case("seed", 1, 2, 1, s, s, 32, True, "topk", w, sweep=f"window, Q=K={s}", x=w) for w in windows]
+
+
+def upstream_readme(quick: bool = False) -> List[Case]:
+    """Upstream's README shapes (B1 H2/1, causal, top-k of a (B, Hk, 1, Sk) bias), here at D64 as in
+    seed PR #203: Q=K from 256 to 32768 at W1024, the W sweep at 32768, and decode (Sq 1)."""
+    seqlens = [256, 1024, 4096] if quick else _powers_of_two(256, 32768)
+    sweep_len = seqlens[-1]
+    windows = [32, 1024, sweep_len] if quick else _powers_of_two(32, sweep_len)
+    decode_lens = [256, 4096, 65536] if quick else _powers_of_two(256, 524288)
+    cases = [Case("upstream-readme", 1, 2, 1, s, s, 64, True, "topk", 1024, sweep="Q=K, W1024", x=s)
+             for s in seqlens]
+    cases += [Case("upstream-readme", 1, 2, 1, sweep_len, sweep_len, 64, True, "topk", w,
+                   sweep=f"window, Q=K={sweep_len}", x=w) for w in windows]
+    cases += [Case("upstream-readme", 1, 2, 1, 1, s, 64, True, "topk", 1024, backward=False,
+                   sweep="decode K, Q1 W1024", x=s) for s in decode_lens]
+    return cases
+
+
+def training(quick: bool = False) -> List[Case]:
+    """The training shape of ../shared/reference/anchors.md: B2 H16/4 S8192 causal, D64 and D128,
+    three masks (all true, sliding window 1024, per-query top-2048); --quick: S2048, W256, top-512."""
+    s, window, topk = (2048, 256, 512) if quick else (8192, 1024, 2048)
+    masks = (("all_true", 0), ("window", window), ("topk", topk))
+    return [Case("training", 2, 16, 4, s, s, d, True, kind, w) for d in (128, 64) for kind, w in masks]
+
+
+def decode(quick: bool = False) -> List[Case]:
+    """One query row against a long cache: B1 H32/8 D128, no mask or the top-4096 keys by bias."""
+    lengths = [8192] if quick else [8192, 32768, 131072]
+    return [Case("decode", 1, 32, 8, 1, s, 128, False, kind, w, backward=False, sweep="decode K, Q1", x=s)
+            for kind, w in (("none", 0), ("topk", 4096)) for s in lengths]
+
+
+def smoke(quick: bool = False) -> List[Case]:
+    """Tiny shapes of every mask kind, for testing the harness itself (also on CPU)."""
+    return [
+        Case("smoke", 1, 4, 2, 128, 128, 32, True, "topk", 16, sweep="window, Q=K=128", x=16),
+        Case("smoke", 1, 4, 2, 128, 128, 32, True, "topk", 64, sweep="window, Q=K=128", x=64),
+        Case("smoke", 2, 4, 2, 96, 96, 64, True, "window", 32),
+        Case("smoke", 1, 4, 1, 64, 128, 32, False, "all_true"),
+        Case("smoke", 1, 4, 2, 1, 256, 64, False, "topk", 64, backward=False),
+    ]
+
+
+SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "decode": decode, "smoke": smoke}
+
+
+def cases(suite: str, quick: bool = False, max_cases: int = 0) -> List[Case]:
+    """The cases of a suite, the first max_cases of them when max_cases > 0."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    result = SUITES[suite](quick)
+    return result[:max_cases] if max_cases > 0 else result
+
+
+def listing(suites: List[str], quick: bool = False, max_cases: int = 0) -> str:
+    """The text of --list."""
+    lines = []
+    for suite in suites:
+        chosen = cases(suite, quick, max_cases)
+        lines.append(f"{suite}: {len(chosen)} cases")
+        for case in chosen:
+            sweep = f"   [{case.sweep}]" if case.sweep else ""
+            lines.append(f"  {case.name:42} {','.join(case.modes):12}{sweep}")
+    return "\n".join(lines)
+
+
+def group_by_sweep(rows: List[dict]) -> Dict[str, List[dict]]:
+    """Rows of plotted cases by (suite, sweep), in order of first appearance."""
+    groups: Dict[str, List[dict]] = {}
+    for row in rows:
+        if row.get("sweep"):
+            groups.setdefault(f"{row['suite']}: {row['sweep']}", []).append(row)
+    return groups

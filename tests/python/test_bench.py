@@ -1,0 +1,391 @@
+"""The benchmark CLI (python -m flash_dmattn.bench) without a GPU: suite definitions, FLOP counts
+against hand counts, the check's rule, the table, the JSON merge, and the "nothing can run"
+path. These need numpy only (CI runs them without torch); the tests at the end run the harness
+on CPU tensors and need torch, like test_torch_cpu.py, and skip without it.
+"""
+import json
+import os
+import shutil
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from flash_dmattn.bench import __main__ as cli
+from flash_dmattn.bench import check, flops, report, suites
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ------------------------------------------------------------------------------------------------
+# Suites
+
+
+def test_suite_counts_and_shapes():
+    seed = suites.cases("seed")
+    assert [c.window for c in seed] == [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert {(c.batch, c.heads, c.kv_heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, c.mask) for c in seed} == \
+        {(1, 2, 1, 16384, 16384, 32, True, "topk")}
+    assert all(c.modes == ("fwd", "bwd", "fwd_bwd") for c in seed)
+
+    training = suites.cases("training")
+    assert len(training) == 6
+    assert {(c.batch, c.heads, c.kv_heads, c.seqlen_q, c.causal, c.bias) for c in training} == \
+        {(2, 16, 4, 8192, True, True)}
+    assert sorted((c.head_dim, c.mask, c.window) for c in training) == [
+        (64, "all_true", 0), (64, "topk", 2048), (64, "window", 1024),
+        (128, "all_true", 0), (128, "topk", 2048), (128, "window", 1024)]
+
+    decode = suites.cases("decode")
+    assert sorted((c.mask, c.seqlen_k) for c in decode) == [
+        ("none", 8192), ("none", 32768), ("none", 131072), ("topk", 8192), ("topk", 32768), ("topk", 131072)]
+    assert all((c.heads, c.kv_heads, c.seqlen_q, c.head_dim, c.modes) == (32, 8, 1, 128, ("fwd",)) for c in decode)
+
+    readme = suites.cases("upstream-readme")
+    by_sweep = {}
+    for c in readme:
+        by_sweep.setdefault(c.sweep, []).append(c)
+    assert [c.x for c in by_sweep["Q=K, W1024"]] == [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert [c.x for c in by_sweep["window, Q=K=32768"]] == [2 ** e for e in range(5, 16)]
+    assert [c.x for c in by_sweep["decode K, Q1 W1024"]] == [2 ** e for e in range(8, 20)]
+    assert all((c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 2, 1, 64) for c in readme)
+
+
+def test_quick_and_max_cases_shrink_the_suites():
+    for name in suites.SUITES:
+        full, quick = suites.cases(name), suites.cases(name, quick=True)
+        assert 0 < len(quick) <= len(full)
+        assert max(c.seqlen_q * c.seqlen_k for c in quick) <= max(c.seqlen_q * c.seqlen_k for c in full)
+    assert len(suites.cases("seed", max_cases=2)) == 2
+    assert [c.seqlen_q for c in suites.cases("training", quick=True)] == [2048] * 6
+
+
+def test_case_names_keys_and_validation():
+    case = suites.cases("training")[2]
+    assert case.name == "B2 H16/4 Q8192 K8192 D128 C top2048"
+    readme = suites.cases("upstream-readme")
+    # W1024 at 32768 is a point of two sweeps: the same key, so it runs once.
+    twins = [c for c in readme if c.seqlen_q == 32768 and c.window == 1024]
+    assert len(twins) == 2 and twins[0].key == twins[1].key and twins[0].sweep != twins[1].sweep
+    with pytest.raises(ValueError, match="needs a window"):
+        suites.Case("x", 1, 1, 1, 8, 8, 8, True, "topk")
+    with pytest.raises(ValueError, match="does not divide"):
+        suites.Case("x", 1, 4, 3, 8, 8, 8, True, "none")
+    with pytest.raises(ValueError, match="unknown suite"):
+        suites.cases("nope")
+
+
+def test_list_runs_without_torch(capsys):
+    assert cli.main(["--list", "--suite", "seed"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("seed: 10 cases") and "B1 H2/1 Q16384 K16384 D32 C top16384" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOP counts
+
+
+def test_kernel_tiles_follow_tile_size_h():
+    assert flops.kernel_tiles(32) == {"fwd": (64, 128), "bwd": (64, 128)}
+    assert flops.kernel_tiles(64) == {"fwd": (64, 128), "bwd": (64, 128)}
+    assert flops.kernel_tiles(96) == {"fwd": (64, 64), "bwd": (64, 64)}
+    assert flops.kernel_tiles(128) == {"fwd": (64, 64), "bwd": (64, 64)}
+    assert flops.kernel_tiles(256) == {"fwd": (128, 64), "bwd": (64, 64)}
+
+
+def test_tile_shapes_match_the_header():
+    """kernel_tiles restates src/kernels/sm80/tile_size.h: the shapes must be the header's."""
+    header = open(os.path.join(REPO, "src", "kernels", "sm80", "tile_size.h")).read()
+    for shape in ("{64, 128, 4, 2}", "{64, 64, 4, 2}", "{128, 64, 8, 1}", "{64, 128, 8, 2, 4, 4, 1, true}",
+                  "{64, 64, 8, 4, 2, 4, 1, true}"):
+        assert shape in header, f"tile_size.h changed ({shape} is gone): update flops.kernel_tiles"
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, pairs", [
+    (4, 4, True, 10),      # 1 + 2 + 3 + 4
+    (2, 5, True, 9),       # rows 11110 / 11111 (docs/semantics.md's example)
+    (5, 2, True, 3),       # rows 00, 00, 00, 10, 11
+    (1, 7, True, 7),       # decode: the one row sees every key
+    (3, 7, False, 21),
+])
+def test_causal_pairs_by_hand(seqlen_q, seqlen_k, causal, pairs):
+    assert flops.causal_pairs(seqlen_q, seqlen_k, causal) == pairs
+    brute = sum(j <= i + seqlen_k - seqlen_q or not causal for i in range(seqlen_q) for j in range(seqlen_k))
+    assert brute == pairs
+
+
+def test_dense_flops_by_hand():
+    # B2 H3 D8, 4x4 causal: 10 pairs; 4·D FLOPs per pair forward, 10·D backward.
+    assert flops.dense_flops(2, 3, 8, 4, 4, True, "fwd") == 2 * 3 * 4 * 8 * 10
+    assert flops.dense_flops(2, 3, 8, 4, 4, True, "bwd") == 2 * 3 * 10 * 8 * 10
+    assert flops.dense_flops(2, 3, 8, 4, 4, True, "fwd_bwd") == 2 * 3 * 14 * 8 * 10
+    assert flops.dense_flops(1, 1, 128, 8192, 8192, True, "fwd") == pytest.approx(4 * 128 * 8192 ** 2 / 2, rel=1e-3)
+
+
+def tiny_visibility():
+    """(1, 2, 5, 7): mask head 0 sees (0, 0), (3, 4) and (4, 6); mask head 1 sees nothing."""
+    visible = np.zeros((1, 2, 5, 7), dtype=bool)
+    visible[0, 0, 0, 0] = visible[0, 0, 3, 4] = visible[0, 0, 4, 6] = True
+    return visible
+
+
+def test_visited_pairs_by_hand():
+    # 2x3 tiles over 5x7: a 3x3 grid. Visited: tile (0,0) = rows 0-1 x keys 0-2 (6 pairs), tile (1,1)
+    # = rows 2-3 x keys 3-5 (6), tile (2,2) = row 4 x key 6 (1: clipped at the problem's ends).
+    tiles = flops.tile_map(tiny_visibility(), 2, 3)
+    assert tiles.shape == (1, 2, 3, 3)
+    assert tiles[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
+    assert not tiles[0, 1].any()
+    # B2 H4 over one batch map and two mask heads: each map stands for 2 batches x 2 query heads.
+    pairs, density = flops.visited_pairs(tiny_visibility(), (2, 3), batch=2, heads=4)
+    assert pairs == (6 + 6 + 1) * 2 * 2
+    assert density == pytest.approx(3 / 18)
+    assert flops.pass_flops(16, pairs, pairs, "fwd") == 4 * 16 * pairs
+    assert flops.pass_flops(16, pairs, 0, "bwd") == 0
+
+
+def test_visited_pairs_of_a_full_causal_map_are_the_tiles_it_touches():
+    s = 8
+    visible = np.tril(np.ones((s, s), dtype=bool))[None, None]
+    # 4x4 tiles: the diagonal tiles (2 of them, 16 pairs each) and the one below: 48 pairs.
+    assert flops.visited_pairs(visible, (4, 4), 1, 1) == (48, 0.75)
+    # 1x1 tiles count exactly the visible pairs.
+    assert flops.visited_pairs(visible, (1, 1), 1, 1)[0] == flops.causal_pairs(s, s, True)
+
+
+def test_visited_pairs_on_torch_tensors():
+    torch = pytest.importorskip("torch")
+    assert flops.visited_pairs(torch.from_numpy(tiny_visibility()), (2, 3), 2, 4) == \
+        flops.visited_pairs(tiny_visibility(), (2, 3), 2, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# The check's rule
+
+
+def test_check_passes_within_tolerance_and_fails_beyond():
+    expected = np.linspace(-2.0, 2.0, 64).reshape(1, 4, 2, 8)
+    near = expected + 0.019 * 2.0  # 1.9 % of max |expected|: within bf16's 2 % for outputs
+    far = expected + 0.021 * 2.0
+    assert check.compare("x", "case", "out", near, expected, "bfloat16").ok
+    failed = check.compare("x", "case", "out", far, expected, "bfloat16")
+    assert not failed.ok and failed.error == pytest.approx(0.042)
+    assert check.compare("x", "case", "k", far, expected, "bfloat16").ok   # gradients: 5 %
+    assert not check.compare("x", "case", "k", far, expected, "float16").ok
+    # Relative to the magnitude: the same relative error passes at any scale.
+    assert check.compare("x", "case", "out", near * 1e-4, expected * 1e-4, "bfloat16").ok
+
+
+def test_check_excludes_rows_without_a_visible_key():
+    expected = np.ones((1, 3, 2, 4))
+    actual = expected.copy()
+    actual[0, 1, 0] = np.nan          # SDPA's row without a visible key
+    keep = np.ones((1, 3, 2), dtype=bool)
+    assert not check.compare("sdpa", "case", "out", actual, expected, "bfloat16", keep).ok
+    keep[0, 1, 0] = False
+    result = check.compare("sdpa", "case", "out", actual, expected, "bfloat16", keep)
+    assert result.ok and result.compared == 5 * 4
+    # compare_all restricts the row-indexed tensors (out, dq) only.
+    results = check.compare_all("sdpa", "case", {"out": actual, "k": expected + 1}, {"out": expected, "k": expected},
+                                "bfloat16", keep)
+    assert [(c.tensor, c.ok) for c in results] == [("out", True), ("k", False)]
+    assert check.verdict(results) == "FAIL dk"
+
+
+def test_check_report_names_implementation_case_and_tensor():
+    expected = np.ones((2, 2))
+    bad = check.compare("flex", "B1 H2/1 Q8 K8 D32 C top4", "bias", expected * 2, expected, "bfloat16")
+    report_text = check.failure_report(check.failures([bad]))
+    assert "CHECK FAILED" in report_text and "flex on 'B1 H2/1 Q8 K8 D32 C top4': dbias differs" in report_text
+    assert check.relative_errors([bad]) == {"dbias": 1.0}
+    assert check.worst_margins([bad]) == {"flex": pytest.approx(1.0 / 5e-2)}
+    with pytest.raises(ValueError, match="shape"):
+        check.compare("x", "case", "out", np.ones(3), np.ones(4), "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------
+# Table, JSON, plot, progress
+
+
+def row(impl, mode, ms, prep=None, status="ok", **extra):
+    base = {"suite": "training", "case": "B2 H16/4 Q8192 K8192 D128 C top2048", "impl": impl, "mode": mode,
+            "status": status, "sweep": "", "x": 0, "mask": "topk", "notes": []}
+    if ms is not None:
+        base.update(ms=ms, prep_ms=prep, total_ms=ms + (prep or 0.0), dense_tflops=200.0, visited_tflops=210.5,
+                    tile_density=0.5039, peak_mib=123.0, check="ok")
+    return {**base, **extra}
+
+
+def test_speedups_and_table():
+    rows = [row("ours", "fwd", 2.0), row("flex", "fwd", 1.5, prep=5.5, notes=["gqa: enable_gqa"]),
+            row("sdpa_cudnn", "fwd", None, status="skipped (no cuDNN)")]
+    report.add_speedups(rows)
+    assert [r["vs_ours"] for r in rows] == [1.0, 3.5, None]
+    lines = report.format_table(rows).splitlines()
+    assert lines[0] == "training: B2 H16/4 Q8192 K8192 D128 C top2048"
+    header = lines[1].split()
+    assert header[:5] == ["impl", "mode", "ms", "prep", "ms"]
+    assert lines[2].split()[:6] == ["ours", "fwd", "2.000", "-", "2.000", "1.00x"]
+    assert lines[3].split()[:6] == ["flex", "fwd", "1.500", "5.500", "7.000", "3.50x"]
+    assert lines[3].endswith("gqa: enable_gqa") and lines[4].endswith("skipped (no cuDNN)")
+    # Columns line up: every value ends where its header ends.
+    assert lines[2].index("2.000") + 5 == lines[1].index(" ms") + 3
+
+
+def test_json_merge_keeps_other_keys_and_rows():
+    existing = {"device": "GPU", "forward": [{"workload": "w", "ms": 1.0}],
+                "bench_cli": {"seed": {"rows": [row("ours", "fwd", 3.0), row("flex", "bwd", 9.0)]},
+                              "decode": {"rows": [row("ours", "fwd", 0.2)]}}}
+    merged = report.merge_results(existing, "seed", [row("ours", "fwd", 2.123456789)], {"date": "today"})
+    assert merged["forward"] == existing["forward"] and merged["bench_cli"]["decode"] == existing["bench_cli"]["decode"]
+    seed = merged["bench_cli"]["seed"]
+    assert seed["date"] == "today"
+    assert [(r["impl"], r["mode"], r["ms"]) for r in seed["rows"]] == [("flex", "bwd", 9.0), ("ours", "fwd", 2.1235)]
+    assert existing["bench_cli"]["seed"]["rows"][0]["ms"] == 3.0  # the input is not modified
+
+
+def test_save_json_merges_into_the_existing_results_file(tmp_path):
+    source = os.path.join(REPO, "benchmarks", "results", "NVIDIA_H100_80GB_HBM3.json")
+    path = tmp_path / "NVIDIA_H100_80GB_HBM3.json"
+    shutil.copy(source, path)
+    before = json.load(open(source))
+    report.save_json(str(path), "NVIDIA H100 80GB HBM3", {"training": [row("ours", "fwd", 2.0)]}, {"date": "d"})
+    after = json.load(open(path))
+    assert {k: v for k, v in after.items() if k != "bench_cli"} == before
+    assert after["bench_cli"]["training"]["rows"][0]["impl"] == "ours"
+    report.save_json(str(tmp_path / "new" / "GPU.json"), "GPU", {"seed": []}, {})
+    assert json.load(open(tmp_path / "new" / "GPU.json")) == {"device": "GPU", "bench_cli": {"seed": {"rows": []}}}
+    assert report.device_file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
+
+
+def test_plot_needs_a_sweep(tmp_path):
+    assert "no sweep" in report.plot_speedup([row("ours", "fwd", 1.0)], str(tmp_path / "p.png"))
+    pytest.importorskip("matplotlib")
+    times = {32: {"ours": 1.0, "flex": 2.0}, 64: {"ours": 1.0, "flex": 3.0}}
+    rows = [row(impl, "fwd", ms, sweep="window, Q=K=16384", x=x, suite="seed")
+            for x, by_impl in times.items() for impl, ms in by_impl.items()]
+    report.add_speedups(rows)
+    assert report.plot_speedup(rows, str(tmp_path / "p.png")) is None
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_replot_from_a_results_file(tmp_path, capsys):
+    rows = [row("ours", "fwd", 1.0, sweep="window, Q=K=16384", x=32, suite="seed"),
+            row("flex", "fwd", 2.0, sweep="window, Q=K=16384", x=32, suite="seed")]
+    report.add_speedups(rows)
+    report.save_json(str(tmp_path / "GPU_X.json"), "GPU X", {"seed": rows, "training": [row("ours", "fwd", 1.0)]}, {})
+    assert report.load_rows(str(tmp_path / "GPU_X.json"), ["seed"]) == ("GPU X", [report.rounded(r) for r in rows])
+    assert cli.main(["--replot", str(tmp_path / "GPU_X.json")]) == 0
+    out = capsys.readouterr().out
+    expected = tmp_path / "GPU_X_speedup.png"
+    assert f"plot: {expected}" in out or "plot skipped (matplotlib is not installed" in out
+
+
+def test_progress_writes_lines_to_a_log():
+    class Log:
+        text = ""
+
+        def write(self, s):
+            Log.text += s
+
+        def flush(self):
+            pass
+
+    progress = report.Progress(2, stream=Log())
+    progress.step("seed: case one")
+    progress.advance()
+    progress.step("seed: case two")
+    progress.close()
+    assert Log.text == "[1/2] seed: case one\n[2/2] seed: case two\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Nothing to run: no torch, or no GPU
+
+
+def test_without_torch_everything_is_skipped(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    assert cli.main(["--suite", "training", "--suite", "seed"]) == 0
+    out = capsys.readouterr().out
+    assert "every implementation is skipped: torch is not installed" in out
+    assert "training: 6 cases skipped" in out and "seed: 10 cases skipped" in out
+
+
+def test_without_a_gpu_everything_is_skipped(monkeypatch, capsys, tmp_path):
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert cli.main(["--suite", "training", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "every implementation is skipped: no CUDA GPU" in out and "nothing was timed" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--modes", "fwd,sideways"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The harness on CPU tensors (needs torch)
+
+
+def test_cpu_run_of_the_smoke_suite(capsys, tmp_path):
+    pytest.importorskip("torch")
+    argv = ["--suite", "smoke", "--device", "cpu", "--impl", "ours", "--impl", "sdpa_efficient", "--impl", "sdpa_flash",
+            "--check", "--max-cases", "3", "--modes", "fwd,bwd", "--warmup", "1", "--min-reps", "1", "--max-reps", "1",
+            "--no-progress",
+            "--json", str(tmp_path / "cpu.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "all within tolerance" in out
+    rows = json.load(open(tmp_path / "cpu.json"))["bench_cli"]["smoke"]["rows"]
+    assert len(rows) == 3 * 3 * 2
+    assert {r["status"] for r in rows} == {"ok"} and {r["check"] for r in rows} == {"ok"}
+    efficient = [r for r in rows if r["impl"] == "sdpa_efficient"]
+    assert all((r["prep_ms"] is not None) == (r["mode"] != "bwd") and "dbias" in r["check_errors"] for r in efficient)
+    assert all(r["total_ms"] == pytest.approx(r["ms"] + (r["prep_ms"] or 0), abs=2e-4) for r in rows)
+
+
+def test_masks_of_each_kind():
+    torch = pytest.importorskip("torch")
+    from flash_dmattn.bench.problem import make_problem, visibility
+    window = make_problem(suites.Case("t", 2, 4, 2, 8, 8, 16, True, "window", 3), torch.bfloat16, torch.device("cpu"))
+    assert window.mask.shape == (2, 2, 8, 8)
+    assert window.mask[0, 0].sum(-1).tolist() == [1, 2, 3, 3, 3, 3, 3, 3]
+    topk = make_problem(suites.Case("t", 1, 2, 1, 6, 10, 16, True, "topk", 5), torch.bfloat16, torch.device("cpu"))
+    # Row i sees keys j <= i + 4 (bottom-right): the top 5 of them, all of them in the first row.
+    assert topk.mask[0, 0].sum(-1).tolist() == [5] * 6
+    assert not (topk.mask[0, 0] & ~torch.ones(6, 10, dtype=torch.bool).tril(4)).any()
+    # Fewer queries than keys under causality: every row sees a key.
+    assert visibility(topk, [(2, 4)]).rows.all()
+
+
+def test_fold_mask_is_bias_where_visible():
+    torch = pytest.importorskip("torch")
+    from flash_dmattn.bench.impls import fold_mask
+    from flash_dmattn.bench.problem import make_problem
+    problem = make_problem(suites.Case("t", 1, 4, 2, 5, 5, 8, True, "topk", 2), torch.bfloat16, torch.device("cpu"))
+    folded = fold_mask(problem)
+    assert folded.shape == (1, 4, 5, 5)
+    for h in range(4):  # query head h reads KV head h // 2
+        keep = problem.mask[0, h // 2] & torch.ones(5, 5, dtype=torch.bool).tril()
+        assert torch.equal(folded[0, h][keep], problem.bias[0, h // 2, 0].expand(5, 5)[keep])
+        assert torch.isinf(folded[0, h][~keep]).all()
+
+
+def test_rotation_and_median_timing(monkeypatch):
+    pytest.importorskip("torch")
+    from flash_dmattn.bench import timing
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 50 * 2**20)
+    mib = 2**20
+    assert timing.rotation(200 * mib, "cuda") == (1, False)   # twice the L2 or more: cold anyway
+    assert timing.rotation(30 * mib, "cuda") == (4, False)    # 4 copies hold 120 MiB: enough
+    assert timing.rotation(1 * mib, "cuda") == (8, True)      # 8 copies still fit: flush as well
+    calls = []
+    clock = timing.Clock(__import__("torch").device("cpu"))
+    settings = timing.Settings(warmup=2, min_reps=3, max_reps=4, budget_ms=1e9)
+    result = timing.measure(clock, lambda i: calls.append(i) or i, lambda state: None, copies=3, flush=False,
+                            settings=settings)
+    assert result.reps == 4 and result.peak_bytes is None and result.ms >= 0
+    assert calls == [0, 1, 0, 1, 2, 0]   # warm-up, then the timed calls, rotating over the copies
