@@ -17,13 +17,21 @@ struct BroadcastOperand {
   int head_divisor = 1;
 };
 
-// Per-tile summary of the mask at kSummaryBlock granularity, built once per call by
-// build_tile_summary() into the workspace. Each byte ORs kTileHasVisible and kTileHasHidden
-// over the mask elements of its block inside [0, Sq) x [0, Sk).
+// What the kernels know of the mask, built once per call by build_tile_summary() into the
+// workspace from one read of the bool mask:
+// - classes: per kSummaryBlock x kSummaryBlock block, a byte that ORs kTileHasVisible and
+//   kTileHasHidden over the block's elements inside [0, Sq) x [0, Sk);
+// - bits: the mask itself, one bit per element (bit j % 32 of word j / 32 of a row is key j; a
+//   mask with key dim 1 has one word per row, bit 0). A partly visible tile reads a few words per
+//   row instead of a byte per element.
 struct TileSummary {
   const std::uint8_t* classes = nullptr;  // nullptr: no mask, every tile is visible
   std::int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;  // 0 where the mask broadcasts
   int head_divisor = 1;
+  const std::uint32_t* bits = nullptr;
+  std::int64_t bits_batch_stride = 0, bits_head_stride = 0, bits_row_stride = 0;  // in words; 0 where the mask broadcasts
+  int bits_row_words = 0;  // words per mask row
+  bool key_broadcast = false;  // the mask's key dim is 1
 };
 
 inline constexpr int kSummaryBlock = 64;

@@ -104,12 +104,13 @@ struct MaskBiasPolicy {
   int m_begin, m_end;  // query rows [m_begin, m_end) that the tile's rows belong to
   int diagonal;        // causal: row i sees keys j <= i + diagonal
   SummaryView summary;  // this (batch, mask head)'s summary
-  // Per row this thread holds: the query index, and where its mask and bias rows start. Rows
+  // Per row this thread holds: the query index, and where its mask bits and bias row start. Rows
   // past Sq point at the last existing row: always in bounds, and their logits are discarded.
   // Computed once per CTA and shared by every specialization of apply().
   int row_index[kRows];
-  const std::uint8_t* mask_row[kRows];
+  const std::uint32_t* mask_bits[kRows];
   const char* bias_row[kRows];
+  int mask_row_words = 0;
   bool has_mask = false, has_bias = false;
   bool mask_key_broadcast = false, bias_key_broadcast = false;  // key dim of size 1
   bool bias_shared_row = false;                                 // query dim of size 1
@@ -125,9 +126,10 @@ struct MaskBiasPolicy {
         m_begin(rows.query(row0)), m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1),
         diagonal(p.seqlen_k - p.seqlen_q), summary(p.summary, b, rows.head(row0)) {
     using namespace cute;
-    has_mask = p.mask.ptr != nullptr;
+    has_mask = p.summary.bits != nullptr;
     has_bias = p.bias.ptr != nullptr;
-    mask_key_broadcast = p.mask.col_stride == 0;
+    mask_key_broadcast = p.summary.key_broadcast;
+    mask_row_words = p.summary.bits_row_words;
     bias_key_broadcast = p.bias.col_stride == 0;
     bias_shared_row = p.bias.row_stride == 0;
     bias_type = p.bias.type;
@@ -140,8 +142,8 @@ struct MaskBiasPolicy {
       const int h = rows.head(packed);
       row_index[r] = rows.query(packed);
       const std::int64_t existing = min(row_index[r], p.seqlen_q - 1);
-      mask_row[r] = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
-                    (h / p.mask.head_divisor) * p.mask.head_stride + existing * p.mask.row_stride;
+      mask_bits[r] = p.summary.bits + b * p.summary.bits_batch_stride +
+                     (h / p.summary.head_divisor) * p.summary.bits_head_stride + existing * p.summary.bits_row_stride;
       bias_row[r] = static_cast<const char*>(p.bias.ptr) +
                     bias_bytes * (b * p.bias.batch_stride + (h / p.bias.head_divisor) * p.bias.head_stride +
                                   existing * p.bias.row_stride);
@@ -234,6 +236,26 @@ struct MaskBiasPolicy {
     }
   }
 
+  // Bits of row r's mask for the keys [first, first + 32 kWindowWords), where `first` is the
+  // thread's lowest key in the tile: bit t of word k is key first + 32k + t (all set without a
+  // mask). Words past the row read as hidden: keys past Sk, which the caller hides anyway.
+  static constexpr int kWindowWords = kBlockN / 32;
+  __device__ __forceinline__ void load_window(int r, int first, std::uint32_t (&window)[kWindowWords]) const {
+    if (!has_mask || mask_key_broadcast) {
+      const std::uint32_t all = !has_mask || (mask_bits[r][0] & 1u) ? ~0u : 0u;
+      CUTE_UNROLL
+      for (int k = 0; k < kWindowWords; ++k) window[k] = all;
+      return;
+    }
+    const std::uint32_t* row = mask_bits[r];
+    const int w0 = first / 32;
+    std::uint32_t words[kWindowWords + 1];
+    CUTE_UNROLL
+    for (int k = 0; k <= kWindowWords; ++k) words[k] = w0 + k < mask_row_words ? row[w0 + k] : 0u;
+    CUTE_UNROLL
+    for (int k = 0; k < kWindowWords; ++k) window[k] = __funnelshift_r(words[k], words[k + 1], first % 32);
+  }
+
   // Works on the (rows, cols) view of the tile. Keys are contiguous or broadcast (validated: key
   // stride 1, or 0 for size 1), so a key's offset is j or 0, computed from the tile's first key:
   // loop-variant, where per-element offsets from strides would be hoisted into registers.
@@ -264,6 +286,12 @@ struct MaskBiasPolicy {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int i = row_index[r];
+      // The thread's columns are its lowest one plus constants, so with the row's bits shifted
+      // to start there once, each element tests a fixed bit: no per-element shift amounts,
+      // which the compiler would hoist out of the key loop into dozens of registers.
+      const int lowest_col = get<1>(coords(0, 0));
+      std::uint32_t keep[kWindowWords];
+      if constexpr (kElementwise) load_window(r, n_begin + lowest_col, keep);
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const int j = n_begin + get<1>(coords(0, c));
@@ -279,8 +307,9 @@ struct MaskBiasPolicy {
           z = s(r, c) * logit_scale;
         }
         if constexpr (kElementwise) {
-          bool visible = i < seqlen_q && j < seqlen_k && (!causal || j <= i + diagonal);
-          if (visible && has_mask) visible = mask_row[r][mask_key_broadcast ? 0 : j] != 0;
+          const int bit = get<1>(coords(0, c)) - lowest_col;  // a compile-time constant
+          const bool visible = i < seqlen_q && j < seqlen_k && (!causal || j <= i + diagonal) &&
+                               ((keep[bit / 32] >> (bit % 32)) & 1u);
           if (!visible) z = -INFINITY;
         }
         s(r, c) = z;
