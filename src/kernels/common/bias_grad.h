@@ -10,17 +10,10 @@
 #include <cute/tensor.hpp>
 #include <cstdint>
 
+#include "kernels/common/rounding_store.h"
 #include "kernels/params.h"
 
 namespace flash_dmattn::kernels {
-
-__device__ __forceinline__ void store_as(ElementType type, void* base, std::int64_t offset, float x) {
-  switch (type) {
-    case ElementType::float32: static_cast<float*>(base)[offset] = x; break;
-    case ElementType::bfloat16: static_cast<cute::bfloat16_t*>(base)[offset] = cute::bfloat16_t(x); break;
-    default: static_cast<cute::half_t*>(base)[offset] = cute::half_t(x); break;
-  }
-}
 
 // kCols: the columns of the accumulator's rows/cols view that a thread holds. kWarpsM: the warp
 // rows of the S = Q·Kᵀ GEMM (warp w sits at row w % kWarpsM).
@@ -87,7 +80,7 @@ struct BiasGradTile {
         const int j = get<1>(coords(r, c));
         if (n_begin + j >= seqlen_k) continue;
         if (direct) {
-          store_as(g.type, g.out, row + j, dz(r, c));
+          store_rounded(g.type, g.out, row + j, dz(r, c));
         } else if (dz(r, c) != 0.f) {
           accumulate(row + j, dz(r, c));
         }
@@ -104,7 +97,7 @@ struct BiasGradTile {
     const std::int64_t base = batch * g.batch_stride + (head / g.head_divisor) * g.head_stride;
     for (int e = threadIdx.x; e < rows * kBlockN; e += kThreads) {
       const int i = row_begin + e / kBlockN, j = e % kBlockN;
-      if (j < cols) store_as(g.type, g.out, base + i * g.row_stride + n_begin + j, 0.f);
+      if (j < cols) store_rounded(g.type, g.out, base + i * g.row_stride + n_begin + j, 0.f);
     }
   }
 
@@ -132,7 +125,7 @@ struct BiasGradTile {
       float x = 0.f;
       for (int w = 0; w < kWarpsM; ++w) x += reduce[w * kBlockN + j];
       if (direct) {
-        store_as(g.type, g.out, batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + n_begin + j, x);
+        store_rounded(g.type, g.out, batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + n_begin + j, x);
       } else if (x != 0.f) {
         accumulate(accum_offset(head, 0, n_begin + j), x);
       }

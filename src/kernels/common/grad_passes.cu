@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/common/rounding_store.h"
+
 namespace flash_dmattn::kernels {
 namespace {
 
@@ -13,9 +15,6 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
 
 unsigned blocks_for(std::int64_t items, int per_block) {
   return static_cast<unsigned>(std::max<std::int64_t>(1, (items + per_block - 1) / per_block));
@@ -53,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) reduce_dq_kernel(const __grid_consta
   const std::int64_t row = e / f.head_dim;
   const int i = static_cast<int>(row % f.seqlen_q), h = static_cast<int>(row / f.seqlen_q % f.heads);
   const int b = static_cast<int>(row / (std::int64_t(f.seqlen_q) * f.heads));
-  store(static_cast<Element*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + d,
+  store_rounded(static_cast<Element*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + d,
         sum * f.scale);
 }
 
@@ -69,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) reduce_bias_grad_kernel(const __grid
   const std::int64_t c = e % g.cols, r = e / g.cols % g.rows, h = e / (g.cols * g.rows) % g.heads;
   const std::int64_t b = e / (g.cols * g.rows * g.heads);
   // The bias's own strides: the row and key strides of a size-1 dim are never used (index 0).
-  store(static_cast<Out*>(g.out) + b * g.batch_stride + h * g.head_stride + r * g.row_stride + c, sum);
+  store_rounded(static_cast<Out*>(g.out) + b * g.batch_stride + h * g.head_stride + r * g.row_stride + c, sum);
 }
 
 }  // namespace

@@ -3,15 +3,13 @@
 
 #include <cmath>
 
+#include "kernels/common/rounding_store.h"
 #include "kernels/common/split_combine.h"
 
 namespace flash_dmattn::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-
-__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 template <typename Op>
 __device__ float block_reduce(float x, Op op, float* scratch) {
@@ -53,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
   for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
     float o = 0.f;
     for (int s = 0; s < p.num_splits; ++s) o += weight[s] * p.partial_out[(s * rows + row) * p.head_dim + d];
-    store(out + d, o);
+    store_rounded(out + d, o);
   }
   if (threadIdx.x == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = lse;
 }
