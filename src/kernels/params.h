@@ -120,9 +120,9 @@ struct BackwardParams {
   float* dsum = nullptr;
   float* dq_accum = nullptr;
   int dq_slots = 1;
-  // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits key tiles s,
-  // s + key_splits, ... and owns dq slot s (plain read-modify-writes). Otherwise one CTA per key
-  // tile, and dq is accumulated with atomics into slot 0.
+  // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits one key tile
+  // of every key_splits (see backward_kernel) and owns dq slot s, whose elements only it reduces
+  // into. Otherwise one CTA per key tile, all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
 };

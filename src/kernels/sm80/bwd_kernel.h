@@ -1,5 +1,5 @@
 // The sm80 backward kernel entry and its launch: one CTA per (key tile, KV head, batch), or in
-// deterministic mode key_splits CTAs per (KV head, batch) that stride over the key tiles.
+// deterministic mode key_splits CTAs per (KV head, batch) that share out the key tiles.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,8 +14,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   extern __shared__ __align__(128) char smem[];
   const int key_tiles = (params.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // Key tile 0 sees the most query tiles under causal masking: the lowest indices start first.
-  for (int n_block = blockIdx.x; n_block < key_tiles; n_block += gridDim.x) {
-    backward_key_tile<Traits>(params, smem, n_block, blockIdx.y, blockIdx.z, blockIdx.x);
+  // In deterministic mode (gridDim.x < key_tiles) CTA s takes one key tile of every group of
+  // gridDim.x, s-th from the front in even groups and from the back in odd ones: under causal
+  // masking every CTA then gets about the same number of query tiles (with a plain stride over
+  // 128 key tiles, CTA 0 of 16 had 26% more than CTA 15, and the whole grid waited for it).
+  for (int group = 0; group * gridDim.x < key_tiles; ++group) {
+    const int n_block = group % 2 == 0 ? group * gridDim.x + blockIdx.x : (group + 1) * gridDim.x - 1 - blockIdx.x;
+    if (n_block < key_tiles) backward_key_tile<Traits>(params, smem, n_block, blockIdx.y, blockIdx.z, blockIdx.x);
   }
 }
 
