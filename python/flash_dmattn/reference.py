@@ -16,6 +16,15 @@ def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
+def past_diagonal(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """(Sq, Sk) int: how far key j lies past the last key that row i sees under causal masking
+    aligned bottom-right, j - i - (Sk - Sq). Causal keeps the pairs where it is <= 0; a sliding
+    window of W keys those in (-W, 0]."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    keys = torch.arange(seqlen_k, device=device)[None, :]
+    return keys - rows - (seqlen_k - seqlen_q)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
                         bias: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                         causal: bool = False, softcap: float = 0.0,
@@ -44,9 +53,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     if mask is not None:
         visible = visible & _per_query_head(mask, heads)
     if causal:
-        rows = torch.arange(seqlen_q, device=q.device)[:, None]
-        cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        visible = visible & (cols <= rows + seqlen_k - seqlen_q)          # bottom-right aligned
+        visible = visible & (past_diagonal(seqlen_q, seqlen_k, q.device) <= 0)  # bottom-right aligned
     logits = logits.masked_fill(~visible, float("-inf"))
 
     # A max-shifted softmax whose empty rows (all -inf) give p = 0 and no NaN, in values or in
