@@ -4,7 +4,8 @@
 // (BiasGradKind): a whole element, or a per-key column sum (bias query dim 1). Column sums are
 // reduced across the CTA through shared memory in a fixed order (shuffles, then warps in index
 // order), so the result is bitwise reproducible. Accumulation across CTAs uses reductions, into
-// one shared slot by default or into a slot per CTA in deterministic mode. A bias with key dim 1 never gets here: its gradient is exactly 0.
+// one shared slot by default or into a slot per CTA in deterministic mode. A bias with key dim 1
+// never gets here: its gradient is exactly 0.
 #pragma once
 
 #include <cute/tensor.hpp>
