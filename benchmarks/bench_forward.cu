@@ -3,7 +3,10 @@
 // ../shared/reference/anchors.md with CUDA events (warm-up, then the median of many runs), and
 // reports dense-equivalent and visited-tile TFLOP/s separately.
 //
-//   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME]
+//   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME] [--forward-only]
+//
+// On an sm_90 GPU the forward runs the sm90a kernels where they apply; FLASH_DMATTN_KERNELS=sm80
+// times the sm80 ones instead.
 //
 // Dense-equivalent FLOPs follow the anchors' convention: 4·B·H·Sq·Sk·D, halved when causal
 // (10·B·H·Sq·Sk·D for the backward's five GEMMs).
@@ -24,6 +27,7 @@
 
 #include "flash_dmattn/flash_dmattn.h"
 #include "kernels/sm80/tile_size.h"
+#include "kernels/sm90/tile_size.h"
 
 namespace fd = flash_dmattn;
 
@@ -95,8 +99,23 @@ bool tile_visited(const Workload& w, int m0, int m1, int n0, int n1) {
   return false;
 }
 
+// Whether the library runs the sm90a forward here: an sm_90 GPU, FLASH_DMATTN_KERNELS not set to
+// sm80, a head dim of the sm90a family (64 to 128, src/kernels/manifest.cmake) and no GQA
+// packing (decode with Sq <= 16 and grouped heads runs on sm80). The build is assumed to include
+// the sm90a family, as it does by default for sm_90.
+bool g_sm90_device = false;
+bool runs_sm90a(const Workload& w) {
+  const char* forced = std::getenv("FLASH_DMATTN_KERNELS");
+  const bool packed = w.Sq <= 16 && w.H > w.Hk;
+  return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && w.D > 32 && w.D <= 128 && !packed;
+}
+
+fd::kernels::sm80::ForwardTile forward_tile(const Workload& w) {
+  return runs_sm90a(w) ? fd::kernels::sm90::forward_tile(w.D) : fd::kernels::sm80::forward_tile(w.D);
+}
+
 double visited_tile_flops(const Workload& w) {
-  const auto tile = fd::kernels::sm80::forward_tile(w.D);
+  const auto tile = forward_tile(w);
   std::int64_t tiles = 0;
   for (int m0 = 0; m0 < w.Sq; m0 += tile.block_m)
     for (int n0 = 0; n0 < w.Sk; n0 += tile.block_n) tiles += tile_visited(w, m0, m0 + tile.block_m, n0, n0 + tile.block_n);
@@ -105,6 +124,7 @@ double visited_tile_flops(const Workload& w) {
 
 struct Result {
   std::string name;
+  std::string kernels;  // the forward's kernel family
   double ms, dense_tflops, visited_tflops, tile_density;
   double kv_gbps;  // K and V bytes read once, over the time: the decode figure of merit
   double bwd_ms = 0, bwd_dense_tflops = 0, bwd_deterministic_ms = 0;  // 0: no backward
@@ -176,7 +196,7 @@ std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs
   return {ms[0], ms[1]};
 }
 
-Result run(const Workload& w, int runs) {
+Result run(const Workload& w, int runs, bool forward_only) {
   using bf16 = __nv_bfloat16;
   const std::int64_t nq = std::int64_t(w.B) * w.Sq * w.H * w.D, nk = std::int64_t(w.B) * w.Sk * w.Hk * w.D;
   bf16 *q, *k, *v, *out, *bias;
@@ -218,16 +238,16 @@ Result run(const Workload& w, int runs) {
   a.workspace.bytes = ws_bytes;
 
   const double ms = median_ms(stream, runs, [&] { fd::throw_if_error(fd::forward(a)); });
-  const auto [bwd_ms, bwd_deterministic_ms] = w.backward ? time_backward(w, a, runs) : std::pair<double, double>{0, 0};
+  const auto [bwd_ms, bwd_deterministic_ms] = w.backward && !forward_only ? time_backward(w, a, runs) : std::pair<double, double>{0, 0};
   const double dense = 4.0 * w.B * w.H * double(w.Sq) * w.Sk * w.D * (w.causal ? 0.5 : 1.0);
   const double visited = visited_tile_flops(w);
-  const auto tile = fd::kernels::sm80::forward_tile(w.D);
+  const auto tile = forward_tile(w);
   const double all_tiles = 4.0 * w.B * w.H * double((w.Sq + tile.block_m - 1) / tile.block_m) * tile.block_m *
                            double((w.Sk + tile.block_n - 1) / tile.block_n) * tile.block_n * w.D;
   for (void* p : {(void*)q, (void*)k, (void*)v, (void*)out, (void*)bias, (void*)lse, (void*)mask, a.workspace.data}) cudaFree(p);
   cudaStreamDestroy(stream);
   const double kv_bytes = 2.0 * w.B * double(w.Sk) * w.Hk * w.D * 2;
-  return {w.name, ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles, kv_bytes / ms / 1e6,
+  return {w.name, runs_sm90a(w) ? "sm90a" : "sm80", ms, dense / ms / 1e9, visited / ms / 1e9, visited / all_tiles, kv_bytes / ms / 1e6,
           bwd_ms, bwd_ms > 0 ? 2.5 * dense / bwd_ms / 1e9 : 0.0, bwd_deterministic_ms};
 }
 
@@ -237,27 +257,30 @@ int main(int argc, char** argv) {
   int runs = 30;
   const char* json = nullptr;
   const char* only = nullptr;
+  bool forward_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--forward-only")) forward_only = true;
     else {
-      std::fprintf(stderr, "usage: flash_dmattn_bench_forward [--runs N] [--json PATH] [--only NAME]\n");
+      std::fprintf(stderr, "usage: flash_dmattn_bench_forward [--runs N] [--json PATH] [--only NAME] [--forward-only]\n");
       return 2;
     }
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  g_sm90_device = prop.major == 9 && prop.minor == 0;
   std::vector<Result> results;
   for (const Workload& w : kWorkloads) {
     if (only && std::strcmp(only, w.name) != 0) continue;
-    results.push_back(run(w, runs));
+    results.push_back(run(w, runs, forward_only));
   }
   std::printf("flash_dmattn forward, %s, bf16, median of %d runs (CUDA events)\n", prop.name, runs);
-  std::printf("%-24s %10s %14s %16s %12s %10s %10s %10s %10s\n", "workload", "fwd ms", "dense TFLOP/s",
+  std::printf("%-24s %7s %10s %14s %16s %12s %10s %10s %10s %10s\n", "workload", "kernels", "fwd ms", "dense TFLOP/s",
               "visited TFLOP/s", "tile density", "K/V GB/s", "bwd ms", "bwd TFLOP/s", "det bwd ms");
   for (const Result& r : results) {
-    std::printf("%-24s %10.3f %14.1f %16.1f %12.3f %10.0f %10.3f %10.1f %10.3f\n", r.name.c_str(), r.ms,
+    std::printf("%-24s %7s %10.3f %14.1f %16.1f %12.3f %10.0f %10.3f %10.1f %10.3f\n", r.name.c_str(), r.kernels.c_str(), r.ms,
                 r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, r.bwd_ms, r.bwd_dense_tflops,
                 r.bwd_deterministic_ms);
   }
@@ -267,8 +290,8 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"dtype\": \"bfloat16\",\n  \"runs\": %d,\n  \"forward\": [\n", prop.name, runs);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f, "    {\"workload\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f, \"kv_gbps\": %.1f, \"bwd_ms\": %.4f, \"bwd_dense_tflops\": %.2f, \"bwd_deterministic_ms\": %.4f}%s\n",
-                   r.name.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, r.bwd_ms,
+      std::fprintf(f, "    {\"workload\": \"%s\", \"kernels\": \"%s\", \"ms\": %.4f, \"dense_tflops\": %.2f, \"visited_tflops\": %.2f, \"tile_density\": %.4f, \"kv_gbps\": %.1f, \"bwd_ms\": %.4f, \"bwd_dense_tflops\": %.2f, \"bwd_deterministic_ms\": %.4f}%s\n",
+                   r.name.c_str(), r.kernels.c_str(), r.ms, r.dense_tflops, r.visited_tflops, r.tile_density, r.kv_gbps, r.bwd_ms,
                    r.bwd_dense_tflops, r.bwd_deterministic_ms, i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");

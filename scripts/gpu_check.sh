@@ -5,7 +5,9 @@
 # Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real on a Hopper GPU, else 80-real),
 # CUTLASS_DIR (default .carry/cutlass when present), GTEST_SOURCE_DIR (default .carry/googletest
 # when present), CMAKE_EXTRA (more configure flags), SKIP_BENCH=1, SKIP_SANITIZERS=1,
-# GPU_TEST_FILTER (gtest filter for the GPU suite).
+# GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the forward tests and the
+# forward benchmark run twice: with the default kernels (the sm90a forward where it applies) and
+# with FLASH_DMATTN_KERNELS=sm80.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
@@ -28,11 +30,22 @@ build_s=$(( $(date +%s) - start ))
 start=$(date +%s)
 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests.log" 2>&1
 gpu_rc=$?
+sm80_line=""
+if [ "${cc:-80}" -eq 90 ]; then
+  FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter="${GPU_TEST_FILTER:-*}:-*Backward*" > "$OUT/gpu_tests_sm80_forward.log" 2>&1 || gpu_rc=1
+  sm80_line="forward tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80_forward.log" | tr '\n' ' ')"
+  tail -5 "$OUT/gpu_tests_sm80_forward.log"
+fi
 gpu_s=$(( $(date +%s) - start ))
 tail -30 "$OUT/gpu_tests.log"
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$OUT/bench_forward.txt" 2>&1
+  if [ "${cc:-80}" -eq 90 ]; then
+    FLASH_DMATTN_KERNELS=sm80 build-gpu/flash_dmattn_bench_forward --forward-only --json "$OUT/bench_forward_sm80.json" \
+      > "$OUT/bench_forward_sm80.txt" 2>&1
+  fi
   python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$OUT/baselines_torch.txt" 2>&1
 fi
 
@@ -62,7 +75,9 @@ echo
 echo "================ summary ================"
 cat "$OUT/device.txt"
 echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+[ -n "$sm80_line" ] && echo "$sm80_line"
 echo "sanitizers: $san"
+[ -f "$OUT/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$OUT/bench_forward_sm80.txt"; }
 [ -f "$OUT/bench_forward.txt" ] && cat "$OUT/bench_forward.txt"
 [ -f "$OUT/baselines_torch.txt" ] && cat "$OUT/baselines_torch.txt"
 exit $gpu_rc

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstdlib>
 #include <string>
 
 #include <algorithm>
@@ -15,6 +16,8 @@
 #include "kernels/params.h"
 #include "kernels/sm80/entry_points.h"
 #include "kernels/sm80/tile_size.h"
+#include "kernels/sm90/entry_points.h"
+#include "kernels/sm90/tile_size.h"
 
 namespace flash_dmattn {
 namespace {
@@ -98,9 +101,16 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
   return f;
 }
 
-// How a forward runs: GQA packing and split-KV when the grid would not fill the GPU (decode),
-// and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
+// The kernel family of a forward. FLASH_DMATTN_KERNELS=sm80 or sm90a forces one (to test both on
+// a Hopper GPU); unset or "auto" picks sm90a wherever it can run.
+enum class ForwardFamily { sm80, sm90a };
+constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
+
+// How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
+// the GPU (decode), and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
 struct ForwardPlan {
+  ForwardFamily family = ForwardFamily::sm80;
+  std::string error;  // a FLASH_DMATTN_KERNELS value that cannot be honoured
   int pack_group = 1;
   int num_splits = 1;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0;
@@ -119,7 +129,32 @@ int multiprocessors(int device) {
   return sms;
 }
 
-ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
+// Why the sm90a forward cannot run a call, or nothing when it can.
+std::optional<std::string> sm90a_forward_unavailable(const Problem& p, int arch, int pack_group) {
+  if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
+  if (!kernels::sm90::has_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) {
+    return "is not in this build for head dim " + std::to_string(p.head_dim) + " (" + dtype_name(p.dtype) +
+           "; FLASH_DMATTN_SM90A, FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
+  }
+  if (pack_group > 1) return std::string("does not pack GQA heads: decode with Sq <= 16 runs on sm80");
+  return std::nullopt;
+}
+
+ForwardFamily choose_forward_family(const Problem& p, int arch, int pack_group, std::string& error) {
+  const char* value = std::getenv(kKernelsVariable);
+  const std::string mode = value ? value : "auto";
+  if (mode == "sm80") return ForwardFamily::sm80;
+  if (mode != "auto" && mode != "sm90a") {
+    error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
+    return ForwardFamily::sm80;
+  }
+  const auto unavailable = sm90a_forward_unavailable(p, arch, pack_group);
+  if (!unavailable) return ForwardFamily::sm90a;
+  if (mode == "sm90a") error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a forward " + *unavailable;
+  return ForwardFamily::sm80;
+}
+
+ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
@@ -127,9 +162,11 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p) {
   const std::int64_t group = p.group_size();
   const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
+  plan.family = choose_forward_family(p, arch, plan.pack_group, plan.error);
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at two waves.
-  const auto tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
+  const auto tile = plan.family == ForwardFamily::sm90a ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim))
+                                                        : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
   const std::int64_t rows = p.seqlen_q * plan.pack_group;
   const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
                             (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
@@ -322,12 +359,14 @@ class CudaSm80Backend final : public BackendImpl {
   int arch(const Problem& p) const override { return arch_of(p.device.index); }
 
   std::string describe(const Problem& p) const override {
-    return "cuda_sm80: mma.sync kernels on cuda:" + std::to_string(p.device.index) + " (sm_" +
-           std::to_string(arch_of(p.device.index)) + ")";
+    const int arch = arch_of(p.device.index);
+    std::string families = "mma.sync kernels";
+    if (!sm90a_forward_unavailable(p, arch, 1)) families += ", wgmma (sm90a) forward";
+    return "cuda_sm80: " + families + " on cuda:" + std::to_string(p.device.index) + " (sm_" + std::to_string(arch) + ")";
   }
 
   std::size_t forward_workspace_size(const ForwardArgs& a, const Problem& p) const override {
-    return p.empty() ? 0 : plan_forward(a, p).workspace_bytes();
+    return p.empty() ? 0 : plan_forward(a, p, arch_of(p.device.index)).workspace_bytes();
   }
 
   std::size_t backward_workspace_size(const BackwardArgs& a, const Problem& p) const override {
@@ -339,7 +378,8 @@ class CudaSm80Backend final : public BackendImpl {
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
     kernels::ForwardParams params = forward_params(a, p);
-    const ForwardPlan plan = plan_forward(a, p);
+    const ForwardPlan plan = plan_forward(a, p, arch_of(p.device.index));
+    if (!plan.error.empty()) return Status::error(StatusCode::invalid_argument, plan.error);
     char* workspace = static_cast<char*>(a.workspace.data);
     params.pack_group = plan.pack_group;
     params.num_splits = plan.num_splits;
@@ -353,8 +393,9 @@ class CudaSm80Backend final : public BackendImpl {
                                                         &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
-    cudaError_t e = kernels::sm80::forward(params, stream);
-    if (e != cudaSuccess) return cuda_failure("the sm80 forward launch", e);
+    const bool sm90a = plan.family == ForwardFamily::sm90a;
+    cudaError_t e = sm90a ? kernels::sm90::forward(params, stream) : kernels::sm80::forward(params, stream);
+    if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a forward launch" : "the sm80 forward launch", e);
     if (plan.num_splits > 1) {
       e = kernels::combine_split_partials(params, stream);
       if (e != cudaSuccess) return cuda_failure("the split-KV combine launch", e);

@@ -4,6 +4,7 @@
 // allocate before any capture.
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "forward_harness.h"
@@ -51,6 +52,29 @@ TEST_F(Runtime, TwoRunsAreBitwiseEqual) {
   EXPECT_TRUE(first.out.bytes == second.out.bytes) << "out differs between two runs";
   EXPECT_TRUE(first.lse.bytes == second.lse.bytes) << "lse differs between two runs";
   expect_outputs_match_reference(p, first);
+}
+
+// FLASH_DMATTN_KERNELS picks the forward's kernel family (to test both on a Hopper GPU); a value
+// it does not know is an error that names the variable and the value, before any launch.
+TEST_F(Runtime, KernelsVariableIsValidated) {
+  auto rng = test_rng();
+  const ForwardProblem p = runtime_problem(rng);
+  GpuForward gpu(p, stream());
+  gpu.prepare();
+  if (test_stopped()) return;
+  constexpr const char* kVariable = "FLASH_DMATTN_KERNELS";
+  const char* saved = std::getenv(kVariable);
+  const std::string previous = saved ? saved : "";
+  setenv(kVariable, "sm70", 1);
+  const Status status = gpu.run();
+  if (saved) {
+    setenv(kVariable, previous.c_str(), 1);
+  } else {
+    unsetenv(kVariable);
+  }
+  EXPECT_EQ(status.code(), StatusCode::invalid_argument) << status.message();
+  EXPECT_NE(status.message().find(kVariable), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("'sm70'"), std::string::npos) << status.message();
 }
 
 // Graph handles, destroyed even when an assertion leaves the test early.

@@ -93,8 +93,8 @@ struct QueryTileClassifier {
   }
 };
 
-// kRows: query rows one thread holds in the accumulator layout.
-template <int kBlockM, int kBlockN, int kRows>
+// kRows, kCols: query rows and keys of the tile one thread holds in the accumulator layout.
+template <int kBlockM, int kBlockN, int kRows, int kCols>
 struct MaskBiasPolicy {
   // Plain copies of what the policy reads: holding a reference to the __grid_constant__
   // parameters would take their address and move every access to generic memory.
@@ -114,6 +114,7 @@ struct MaskBiasPolicy {
   bool has_mask = false, has_bias = false;
   bool mask_key_broadcast = false, bias_key_broadcast = false;  // key dim of size 1
   bool bias_shared_row = false;                                 // query dim of size 1
+  bool bias_pairs = false;  // a shared row whose neighbouring keys load as one aligned access
   ElementType bias_type = ElementType::float16;
 
   // rows: what each packed row of the tile is; row0: the tile's first packed row; coords: the
@@ -151,6 +152,8 @@ struct MaskBiasPolicy {
     // With packing, a thread's rows may belong to different query heads: the bias row stays
     // shared only if they all read one bias head (a bias with 1 or Hk heads).
     bias_shared_row = bias_shared_row && (rows.group == 1 || p.bias.head_divisor >= rows.group);
+    bias_pairs = has_bias && bias_shared_row && !bias_key_broadcast &&
+                 reinterpret_cast<std::uintptr_t>(bias_row[0]) % (2 * bias_bytes) == 0;
   }
 
   // One past the last key tile any row of this CTA can see.
@@ -167,25 +170,97 @@ struct MaskBiasPolicy {
     return c;
   }
 
-  // s: raw q·k products of key tile n_block; coords: the (row, col) of each element in the tile.
-  // Writes z = softcap(scale·qk) + bias, or -inf where the key is hidden. The flags are uniform,
-  // so they pick one specialized loop per tile instead of being tested per element.
+  static constexpr int kWindowWords = kBlockN / 32;
+
+  // What a tile reads from global memory besides S, loaded by load_inputs() before S exists so
+  // that a main loop can issue the loads ahead of the S = Q·Kᵀ MMA and hide their latency behind
+  // it: the bias values at the thread's columns when every query row shares one bias row (raw
+  // bits, converted when used: a conversion right after the load would wait for it), and the
+  // mask bits of the thread's rows on tiles that need per-element masking.
+  struct TileInputs {
+    std::uint32_t shared_bias[kCols];
+    std::uint32_t keep[kRows][kWindowWords];
+  };
+
+  template <typename TensorC>
+  __device__ __forceinline__ void load_inputs(TileInputs& in, const TensorC& coords_flat, int n_block,
+                                              bool elementwise) const {
+    using namespace cute;
+    Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
+    static_assert(decltype(size<1>(coords))::value == kCols);
+    const int n_begin = n_block * kBlockN;
+    if (has_bias && bias_shared_row && bias_pairs && !elementwise) {
+      // A tile without per-element masking lies inside [0, Sk), and the thread's columns come in
+      // neighbouring pairs starting at even keys: one aligned access per pair, no clamping. A
+      // 16-bit pair stays packed in the even slot.
+      const int lowest_col = get<1>(coords(0, 0));
+      const int first = n_begin + lowest_col;
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 2) {
+        const int j = first + (get<1>(coords(0, c)) - lowest_col);
+        if (bias_type == ElementType::float32) {
+          const uint2 pair = *reinterpret_cast<const uint2*>(reinterpret_cast<const std::uint32_t*>(bias_row[0]) + j);
+          in.shared_bias[c] = pair.x;
+          in.shared_bias[c + 1] = pair.y;
+        } else {
+          in.shared_bias[c] = *reinterpret_cast<const std::uint32_t*>(reinterpret_cast<const std::uint16_t*>(bias_row[0]) + j);
+        }
+      }
+    } else if (has_bias && bias_shared_row) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int j = bias_key_broadcast ? 0 : min(n_begin + get<1>(coords(0, c)), seqlen_k - 1);
+        if (bias_type == ElementType::float32) {
+          in.shared_bias[c] = reinterpret_cast<const std::uint32_t*>(bias_row[0])[j];
+        } else {
+          in.shared_bias[c] = reinterpret_cast<const std::uint16_t*>(bias_row[0])[j];
+        }
+      }
+    }
+    if (elementwise) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) load_window(r, n_begin + get<1>(coords(0, 0)), in.keep[r]);
+    }
+  }
+
+  // s: raw q·k products of key tile n_block; coords: the (row, col) of each element in the tile;
+  // in: the tile's load_inputs(). Writes z = softcap(scale·qk) + bias, or -inf where the key is
+  // hidden. The flags are uniform, so they pick one specialized loop per tile instead of being
+  // tested per element.
+  template <typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        const TileInputs& in) const {
+    apply(s, coords, n_block, elementwise, in, [](int, int, float, float) {});
+  }
+
+  // load_inputs() and apply() back to back, for main loops with nothing to hide the loads behind.
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise) const {
-    apply(s, coords, n_block, elementwise, [](int, int, float, float) {});
+    TileInputs in;
+    load_inputs(in, coords, n_block, elementwise);
+    apply(s, coords, n_block, elementwise, in);
   }
 
   // The same, then emit(r, c, z, dcap) for every element, indexed by (row, col) of the
   // accumulator_as_rows_cols view, with dcap = dz/d(scale·qk) / scale: 1 - tanh² of the capped
   // argument under softcap, 1 without. The backward turns z into P and dZ right there, so no
   // second fragment stays live.
-  template <typename TensorS, typename TensorC, typename Emit>
+  template <typename TensorS, typename TensorC, typename Emit,
+            typename = std::enable_if_t<std::is_invocable_v<Emit&, int, int, float, float>>>
   __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
                                         Emit&& emit) const {
+    TileInputs in;
+    load_inputs(in, coords, n_block, elementwise);
+    apply(s, coords, n_block, elementwise, in, emit);
+  }
+
+  template <typename TensorS, typename TensorC, typename Emit>
+  __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        const TileInputs& in, Emit&& emit) const {
     if (softcap > 0.f) {
-      apply_bias_kind<true>(s, coords, n_block, elementwise, emit);
+      apply_bias_kind<true>(s, coords, n_block, elementwise, in, emit);
     } else {
-      apply_bias_kind<false>(s, coords, n_block, elementwise, emit);
+      apply_bias_kind<false>(s, coords, n_block, elementwise, in, emit);
     }
   }
 
@@ -204,42 +279,51 @@ struct MaskBiasPolicy {
 
   template <bool kSoftcap, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_bias_kind(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise, Emit& emit) const {
+                                                  bool elementwise, const TileInputs& in, Emit& emit) const {
     if (!has_bias) {
-      apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise, emit);
+      apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise, in, emit);
     } else if (bias_type == ElementType::float32) {
-      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise, emit);
+      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise, in, emit);
     } else if (bias_type == ElementType::bfloat16) {
-      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise, emit);
+      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise, in, emit);
     } else {
-      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise, emit);
+      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise, in, emit);
     }
   }
 
   template <bool kSoftcap, typename T, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_bias_rows(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise, Emit& emit) const {
+                                                  bool elementwise, const TileInputs& in, Emit& emit) const {
     if (bias_shared_row) {
-      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise, emit);
+      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise, in, emit);
     } else {
-      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise, emit);
+      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise, in, emit);
     }
   }
 
   template <bool kSoftcap, typename Bias, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_elementwise(TensorS& s, const TensorC& coords, int n_block,
-                                                    bool elementwise, Emit& emit) const {
+                                                    bool elementwise, const TileInputs& in, Emit& emit) const {
     if (elementwise) {
-      apply_tile<kSoftcap, Bias, true>(s, coords, n_block, emit);
+      apply_tile<kSoftcap, Bias, true>(s, coords, n_block, in, emit);
     } else {
-      apply_tile<kSoftcap, Bias, false>(s, coords, n_block, emit);
+      apply_tile<kSoftcap, Bias, false>(s, coords, n_block, in, emit);
+    }
+  }
+
+  // A bias value from the raw bits load_inputs() kept: fp32 as is, 16-bit in the low half.
+  template <typename T>
+  __device__ __forceinline__ static float bias_from_bits(std::uint32_t bits) {
+    if constexpr (std::is_same_v<T, float>) {
+      return __uint_as_float(bits);
+    } else {
+      return static_cast<float>(T::bitcast(static_cast<std::uint16_t>(bits)));
     }
   }
 
   // Bits of row r's mask for the keys [first, first + 32 kWindowWords), where `first` is the
   // thread's lowest key in the tile: bit t of word k is key first + 32k + t (all set without a
   // mask). Words past the row read as hidden: keys past Sk, which the caller hides anyway.
-  static constexpr int kWindowWords = kBlockN / 32;
   __device__ __forceinline__ void load_window(int r, int first, std::uint32_t (&window)[kWindowWords]) const {
     if (!has_mask || mask_key_broadcast) {
       const std::uint32_t all = !has_mask || (mask_bits[r][0] & 1u) ? ~0u : 0u;
@@ -261,37 +345,44 @@ struct MaskBiasPolicy {
   // loop-variant, where per-element offsets from strides would be hoisted into registers.
   template <bool kSoftcap, typename Bias, bool kElementwise, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_tile(TensorS& s_flat, const TensorC& coords_flat, int n_block,
-                                             Emit& emit) const {
+                                             const TileInputs& in, Emit& emit) const {
     using namespace cute;
     constexpr bool kBias = !std::is_same_v<Bias, NoBias>;
     Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
-    constexpr int kCols = decltype(size<1>(s))::value;
+    static_assert(decltype(size<1>(s))::value == kCols);
     const float logit_scale = kSoftcap ? scale / softcap : scale;
     const int n_begin = n_block * kBlockN;
-    // Keys past Sk (the last key tile) read the last key: in bounds, and masked below.
+    // Keys past Sk (the last key tile, which is elementwise) read the last key: in bounds, and
+    // masked below.
     auto bias_at = [&](int r, int j) {
       if constexpr (kBias) {
         const auto* row = reinterpret_cast<const typename Bias::Element*>(bias_row[r]);
-        return static_cast<float>(row[bias_key_broadcast ? 0 : min(j, seqlen_k - 1)]);
+        // Only tiles with per-element masking reach past Sk.
+        return static_cast<float>(row[bias_key_broadcast ? 0 : kElementwise ? min(j, seqlen_k - 1) : j]);
       } else {
         return 0.f;
       }
     };
     float shared_bias[kCols];
     if constexpr (kBias && Bias::kShared) {
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_at(0, n_begin + get<1>(coords(0, c)));
+      using T = typename Bias::Element;
+      if (!std::is_same_v<T, float> && !kElementwise && bias_pairs) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_from_bits<T>(in.shared_bias[c & ~1] >> (16 * (c % 2)));
+      } else {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_from_bits<T>(in.shared_bias[c]);
+      }
     }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int i = row_index[r];
-      // The thread's columns are its lowest one plus constants, so with the row's bits shifted
-      // to start there once, each element tests a fixed bit: no per-element shift amounts,
-      // which the compiler would hoist out of the key loop into dozens of registers.
+      // The thread's columns are its lowest one plus constants, and load_inputs() shifted the
+      // row's bits to start there, so each element tests a fixed bit: no per-element shift
+      // amounts, which the compiler would hoist out of the key loop into dozens of registers.
       const int lowest_col = get<1>(coords(0, 0));
-      std::uint32_t keep[kWindowWords];
-      if constexpr (kElementwise) load_window(r, n_begin + lowest_col, keep);
+      const std::uint32_t* keep = in.keep[r];
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const int j = n_begin + get<1>(coords(0, c));
@@ -352,6 +443,31 @@ struct ActiveTileWalk {
     active = __ballot_sync(0xffffffffu, !c.skip);
     elementwise = __ballot_sync(0xffffffffu, c.elementwise);
   }
+};
+
+// The forward's walk: the active key tiles of this CTA's split-KV share [begin, end), in
+// descending order from the last one any row of the CTA can see.
+template <typename Policy>
+struct SplitTileWalk {
+  const Policy& policy;
+  ActiveTileWalk walk;
+  int begin, end;
+
+  __device__ __forceinline__ SplitTileWalk(const Policy& policy_, int key_tiles, int num_splits, int split)
+      : policy(policy_) {
+    const int per_split = (key_tiles + num_splits - 1) / num_splits;
+    begin = split * per_split;
+    end = min(key_tiles, begin + per_split);
+  }
+
+  __device__ __forceinline__ int first() { return at_or_below(min(policy.n_block_end(), end) - 1); }
+  // The first active tile of the share at or below n, or -1.
+  __device__ __forceinline__ int at_or_below(int n) {
+    const int next = walk.next_at_or_below(n, policy);
+    return next >= begin ? next : -1;
+  }
+  // Valid for the tile last returned, until the next call.
+  __device__ __forceinline__ bool needs_elementwise(int n) const { return walk.needs_elementwise(n); }
 };
 
 }  // namespace flash_dmattn::kernels

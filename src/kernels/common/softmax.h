@@ -38,6 +38,16 @@ struct OnlineSoftmax {
   // output accumulator, rescaled by exp(old max - new max).
   template <typename TensorS, typename TensorO>
   __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
+    float correction[kRows];
+    fold(s, correction);
+    rescale(o, correction);
+  }
+
+  // update() in two halves, for a main loop whose P·V MMA of the previous tile is still writing
+  // the output while this tile's softmax runs: fold() replaces s by P and returns each row's
+  // factor exp(old max - new max); rescale() applies it to the output once the MMA is done.
+  template <typename TensorS>
+  __device__ __forceinline__ void fold(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
     CUTE_UNROLL
@@ -49,16 +59,24 @@ struct OnlineSoftmax {
       // The one place -inf - (-inf) can arise: a row that has seen no visible key keeps max -inf.
       // Subtracting 0 instead makes every exp2(-inf) = 0 and leaves sum and output at 0.
       const float base = new_max == -INFINITY ? 0.f : new_max * kLog2e;
-      const float correction = exp2f(row_max[r] * kLog2e - base);
+      correction[r] = exp2f(row_max[r] * kLog2e - base);
       row_max[r] = new_max;
-      row_sum[r] *= correction;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
+      row_sum[r] *= correction[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         s(r, c) = exp2f(fmaf(s(r, c), kLog2e, -base));
         row_sum[r] += s(r, c);
       }
+    }
+  }
+
+  template <typename TensorO>
+  __device__ __forceinline__ static void rescale(TensorO& o, const float (&correction)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
     }
   }
 

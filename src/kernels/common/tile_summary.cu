@@ -1,15 +1,22 @@
-// One CTA per kSummaryBlock x kSummaryBlock block of the mask: OR of "some key visible" and "some
-// key hidden" over the block's elements inside the mask, one byte out; and the block's elements
-// as bits, gathered in shared memory and written as whole words.
+// One CTA per strip of kStripBlocks summary blocks along the keys (kSummaryBlock rows x
+// kStripBlocks · kSummaryBlock keys): per block, the OR of "some key visible" and "some key
+// hidden" over its elements inside the mask, one byte out; and the strip's elements as bits,
+// written as whole words. A strip rather than a block per CTA: every thread has several 16-byte
+// loads in flight, which the mask's read (as large as the attention's K and V on long sequences)
+// needs to run at memory bandwidth.
 #include "kernels/common/tile_summary.h"
 
 namespace flash_dmattn::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kBlockWords = kSummaryBlock / 32;
+constexpr int kStripBlocks = 4;
+constexpr int kStripCols = kStripBlocks * kSummaryBlock;
+constexpr int kStripWords = kStripCols / 32;
+constexpr int kVectorsPerRow = kSummaryBlock / 16;  // 16-byte vectors per row of a block
+static_assert(kThreads == kSummaryBlock * kVectorsPerRow, "the vectorized path gives a thread one vector per block");
 
-std::int64_t blocks_of(std::int64_t n) { return (n + kSummaryBlock - 1) / kSummaryBlock; }
+__host__ __device__ std::int64_t blocks_of(std::int64_t n) { return (n + kSummaryBlock - 1) / kSummaryBlock; }
 __host__ __device__ std::int64_t words_of(std::int64_t cols) { return (cols + 31) / 32; }
 std::size_t classes_bytes(const MaskExtent& mask) {
   return static_cast<std::size_t>(mask.batches * mask.heads * blocks_of(mask.rows) * blocks_of(mask.cols));
@@ -17,57 +24,81 @@ std::size_t classes_bytes(const MaskExtent& mask) {
 // The bits start 16-byte aligned after the classes.
 std::size_t bits_offset(const MaskExtent& mask) { return (classes_bytes(mask) + 15) / 16 * 16; }
 
+// Bit i set where byte i of the 16 is nonzero.
+__device__ __forceinline__ std::uint32_t nonzero_bytes(const uint4& v) {
+  std::uint32_t bits = 0;
+  int i = 0;
+  for (const std::uint32_t word : {v.x, v.y, v.z, v.w}) {
+    for (int byte = 0; byte < 4; ++byte, ++i) bits |= std::uint32_t(((word >> (8 * byte)) & 0xffu) != 0) << i;
+  }
+  return bits;
+}
+
 __global__ void __launch_bounds__(kThreads) tile_summary_kernel(MaskExtent mask, std::uint8_t* out,
                                                                  std::uint32_t* bits_out) {
-  __shared__ std::uint32_t words[kSummaryBlock][kBlockWords];
-  for (int i = threadIdx.x; i < kSummaryBlock * kBlockWords; i += kThreads) words[i / kBlockWords][i % kBlockWords] = 0;
-  __syncthreads();
-  const std::int64_t col_blocks = gridDim.x, row_blocks = gridDim.y;
+  __shared__ std::uint32_t words[kSummaryBlock][kStripWords];
+  __shared__ __align__(4) std::uint8_t flags[kStripBlocks];
+  const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = gridDim.y;
   const std::int64_t bh = blockIdx.z, b = bh / mask.heads, h = bh % mask.heads;
-  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSummaryBlock, c0 = std::int64_t(blockIdx.x) * kSummaryBlock;
+  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSummaryBlock, c0 = std::int64_t(blockIdx.x) * kStripCols;
   const int rows = static_cast<int>(mask.rows - r0 < kSummaryBlock ? mask.rows - r0 : kSummaryBlock);
-  const int cols = static_cast<int>(mask.cols - c0 < kSummaryBlock ? mask.cols - c0 : kSummaryBlock);
+  const int cols = static_cast<int>(mask.cols - c0 < kStripCols ? mask.cols - c0 : kStripCols);
   const std::uint8_t* base =
       mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride + c0 * mask.col_stride;
+  std::uint32_t* bits_row0 = bits_out + (bh * mask.rows + r0) * words_of(mask.cols) + c0 / 32;
+  if (threadIdx.x < kStripBlocks) flags[threadIdx.x] = 0;
 
-  bool any_visible = false, any_hidden = false;
-  // A full block of 16-byte-aligned rows is read as one uint4 per thread (64 rows x 4 vectors).
-  const bool vectorized = cols == kSummaryBlock && mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
+  // A whole strip of 16-byte-aligned rows: thread t reads vector t % 4 of row t / 4 in each
+  // block, all loads issued before the first is used; the 16 bits of a vector pair up across
+  // neighbouring lanes into the row's words, and warp votes give each block's flags.
+  const bool vectorized = cols == kStripCols && mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
                           reinterpret_cast<std::uintptr_t>(base) % 16 == 0;
   if (vectorized) {
-    const int row = threadIdx.x / 4, vec = threadIdx.x % 4;
-    if (row < rows) {
-      const uint4 v = *reinterpret_cast<const uint4*>(base + row * mask.row_stride + vec * 16);
-      std::uint32_t keep_bits = 0;  // bit i: byte i of the 16
-      int i = 0;
-      for (const std::uint32_t word : {v.x, v.y, v.z, v.w}) {
-        // A byte is zero iff its bit pattern has no set bit: test the four bytes of the word.
-        for (int byte = 0; byte < 4; ++byte, ++i) keep_bits |= std::uint32_t(((word >> (8 * byte)) & 0xffu) != 0) << i;
+    const int row = threadIdx.x / kVectorsPerRow, vec = threadIdx.x % kVectorsPerRow;
+    const bool in_rows = row < rows;
+    uint4 v[kStripBlocks];
+    for (int k = 0; k < kStripBlocks; ++k) {
+      v[k] = in_rows ? *reinterpret_cast<const uint4*>(base + row * mask.row_stride + k * kSummaryBlock + vec * 16)
+                     : make_uint4(0, 0, 0, 0);
+    }
+    std::uint8_t my_flags[kStripBlocks];
+    for (int k = 0; k < kStripBlocks; ++k) {
+      const std::uint32_t keep = nonzero_bytes(v[k]);
+      const std::uint32_t pair = keep | (__shfl_down_sync(0xffffffffu, keep, 1) << 16);
+      if (in_rows && vec % 2 == 0) bits_row0[row * words_of(mask.cols) + k * (kSummaryBlock / 32) + vec / 2] = pair;
+      my_flags[k] = in_rows ? ((keep != 0 ? kTileHasVisible : 0) | (keep != 0xffffu ? kTileHasHidden : 0)) : 0;
+    }
+    __syncthreads();  // flags cleared
+    for (int k = 0; k < kStripBlocks; ++k) {
+      const bool visible = __any_sync(0xffffffffu, my_flags[k] & kTileHasVisible);
+      const bool hidden = __any_sync(0xffffffffu, my_flags[k] & kTileHasHidden);
+      if (threadIdx.x % 32 == 0 && (visible || hidden)) {
+        atomicOr(reinterpret_cast<unsigned int*>(flags), unsigned((visible ? kTileHasVisible : 0) |
+                                                                  (hidden ? kTileHasHidden : 0)) << (8 * k));
       }
-      any_visible = keep_bits != 0;
-      any_hidden = keep_bits != 0xffffu;
-      atomicOr(&words[row][vec / 2], keep_bits << (16 * (vec % 2)));
     }
   } else {
+    for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
+    __syncthreads();
+    unsigned my_flags = 0;  // byte k: block k's flags
     for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
       const int row = e / cols, col = e % cols;
       const bool keep = base[row * mask.row_stride + col * mask.col_stride] != 0;
-      any_visible |= keep;
-      any_hidden |= !keep;
+      my_flags |= unsigned(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
       if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
     }
+    if (my_flags) atomicOr(reinterpret_cast<unsigned int*>(flags), my_flags);
+    __syncthreads();
+    const int strip_words = static_cast<int>(words_of(cols));
+    for (int i = threadIdx.x; i < rows * strip_words; i += kThreads) {
+      const int row = i / strip_words, w = i % strip_words;
+      bits_row0[row * words_of(mask.cols) + w] = words[row][w];
+    }
   }
-  any_visible = __syncthreads_or(any_visible);
-  any_hidden = __syncthreads_or(any_hidden);
-  if (threadIdx.x == 0) {
-    out[(bh * row_blocks + blockIdx.y) * col_blocks + blockIdx.x] =
-        (any_visible ? kTileHasVisible : 0) | (any_hidden ? kTileHasHidden : 0);
-  }
-  const int block_words = static_cast<int>(words_of(cols));
-  const std::int64_t row_words = words_of(mask.cols);
-  for (int i = threadIdx.x; i < rows * block_words; i += kThreads) {
-    const int row = i / block_words, w = i % block_words;
-    bits_out[(bh * mask.rows + r0 + row) * row_words + c0 / 32 + w] = words[row][w];
+  __syncthreads();
+  const std::int64_t first_block = std::int64_t(blockIdx.x) * kStripBlocks;
+  if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
+    out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = flags[threadIdx.x];
   }
 }
 
@@ -96,7 +127,7 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   summary->bits_row_words = static_cast<int>(row_words);
   summary->key_broadcast = mask.cols == 1;
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(row_blocks),
+  const dim3 grid(static_cast<unsigned>((col_blocks + kStripBlocks - 1) / kStripBlocks), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(mask.batches * mask.heads));
   tile_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
   return cudaGetLastError();

@@ -248,7 +248,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
       // z -> P = exp(z - LSE), dZ = P∘(dP - Δ) -> dBias, dS = dZ·dcap: P replaces S, dS replaces dP.
       {
-        const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
+        const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
         Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
         Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
         float dcap[kRows][kCols];  // softcap only: dZ -> dS once dbias has read dZ

@@ -4,6 +4,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/common/tile_copy.h"
 #include "kernels/sm80/tile_size.h"
 
 namespace flash_dmattn::kernels::sm80 {
@@ -60,14 +61,8 @@ struct BackwardTraits {
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomPdS = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
-  // Global -> shared: 16-byte vectors, kGmemThreadsPerRow threads across a kBlockKSmem row.
-  static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
-                                      cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
-  using GmemTiledCopy = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
+  // Global -> shared: 16-byte vectors across kBlockKSmem-element rows.
+  using GmemTiledCopy = typename GmemRowCopies<Element, kNThreads, kBlockKSmem>::Async;
 
   static constexpr int kQElems = static_cast<int>(cute::cosize(SmemLayoutQ{}));
   static constexpr int kKVElems = static_cast<int>(cute::cosize(SmemLayoutKV{}));

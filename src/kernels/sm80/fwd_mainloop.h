@@ -6,6 +6,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "kernels/common/forward_epilogue.h"
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
@@ -14,31 +15,6 @@
 #include "kernels/sm80/gemm.h"
 
 namespace flash_dmattn::kernels::sm80 {
-
-// Copies query rows global -> shared with cp.async; each row's address comes from the row map
-// (packed rows of one tile belong to different heads). Rows past the end and head-dim columns
-// at or past `head_dim` are zero-filled.
-template <typename Element, typename TensorD, typename TensorC, typename RowPointer>
-__device__ __forceinline__ void copy_q_rows_async(TensorD& dst, const TensorC& coords, int valid_rows, int head_dim,
-                                                  RowPointer row_pointer) {
-  using namespace cute;
-  using Vector = cute::uint128_t;
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(dst); ++m) {
-    const int row = get<0>(coords(0, m, 0));
-    const Element* src = row < valid_rows ? row_pointer(row) : nullptr;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(dst); ++k) {
-      const int col = get<1>(coords(0, m, k));
-      if (src && col < head_dim) {
-        auto& dst_vector = *reinterpret_cast<Vector*>(raw_pointer_cast(dst(_, m, k).data()));
-        SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src + col), dst_vector);
-      } else {
-        clear(dst(_, m, k));
-      }
-    }
-  }
-}
 
 template <typename Traits>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int grid_head, int b,
@@ -102,24 +78,16 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   // (row, col) inside the tile of every element of S and O this thread holds.
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tOcO_rows = make_tensor(tOcO.data(), accumulator_as_rows_cols(tOcO.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
+  constexpr int kCols = decltype(size<1>(make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()))))::value;
 
-  const MaskBiasPolicy<kBlockM, kBlockN, kRows> policy(p, b, rows, row0, tScS);
-  ActiveTileWalk walk;
+  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
+  const Policy policy(p, b, rows, row0, tScS);
+  SplitTileWalk<Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
   OnlineSoftmax<kRows> softmax;
   softmax.init();
 
-  // This split's share of the key tiles: [n_split_begin, n_split_end).
-  const int n_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
-  const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-  const int n_split_begin = split * tiles_per_split;
-  const int n_split_end = min(n_tiles, n_split_begin + tiles_per_split);
-  auto next_active = [&](int n) {
-    const int next = walk.next_at_or_below(n, policy);
-    return next >= n_split_begin ? next : -1;
-  };
   auto load_kv = [&](auto& src, auto& dst, int n_block) {
     copy_rows_async(gmem_copy, src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
   };
@@ -128,12 +96,12 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     const int packed = row0 + row;
     return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
-  int n_block = next_active(min(policy.n_block_end(), n_split_end) - 1);
+  int n_block = tiles.first();
   if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
   cp_async_fence();
 
   while (n_block >= 0) {
-    const bool elementwise = walk.needs_elementwise(n_block);
+    const bool elementwise = tiles.needs_elementwise(n_block);
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     cp_async_wait<0>();
@@ -144,7 +112,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
     policy.apply(acc_s, tScS, n_block, elementwise);
 
-    const int next = next_active(n_block - 1);
+    const int next = tiles.at_or_below(n_block - 1);
     cp_async_wait<0>();
     __syncthreads();  // V of this tile has landed, and every warp is done reading K
     if (next >= 0) load_kv(tKgK, tKsK, next);
@@ -162,68 +130,8 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   // past its last read of Q (the loop's barriers, or this one when no tile was active).
   cp_async_wait<0>();
   __syncthreads();
-  float lse[kRows];
-  softmax.finalize(acc_o_rows, lse);
 
-  if (p.num_splits > 1) {
-    // A partial result: fp32 output straight from the accumulators, and LSE -inf for rows that
-    // saw no visible key in this split, so that they weigh nothing in the combine.
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int packed = row0 + get<0>(tOcO_rows(r, 0));
-      if (packed >= rows.rows) continue;
-      const std::int64_t row = (std::int64_t(split) * p.batch + b) * p.heads * p.seqlen_q +
-                               rows.offset(packed, 1, p.seqlen_q);
-      if (get<1>(tOcO_rows(0, 0)) == 0) p.partial_lse[row] = lse[r] == INFINITY ? -INFINITY : lse[r];
-      float* out = p.partial_out + row * p.head_dim;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(acc_o_rows); ++c) {
-        const int col = get<1>(tOcO_rows(r, c));
-        if (col < p.head_dim) out[col] = acc_o_rows(r, c);
-      }
-    }
-    return;
-  }
-
-  // The quad's first thread (the one holding column 0) writes each row's LSE.
-  if (get<1>(tOcO_rows(0, 0)) == 0) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int packed = row0 + get<0>(tOcO_rows(r, 0));
-      if (packed < rows.rows) {
-        p.lse[b * p.lse_batch_stride + rows.offset(packed, 1, p.lse_head_stride)] = lse[r];
-      }
-    }
-  }
-
-  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-  Tensor o_values = convert_fragment<Element>(acc_o);
-  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
-  copy(smem_copy_o, smem_thr_o.retile_S(o_values), smem_thr_o.partition_D(sO));
-  __syncthreads();
-
-  // Shared -> registers in 16-byte vectors, then each vector to its row's address.
-  typename Traits::GmemTiledCopyO gmem_copy_o;
-  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
-  Tensor tOsO = gmem_thr_o.partition_S(sO);
-  Tensor tOrO = make_tensor<Element>(shape(tOsO));
-  copy(gmem_copy_o, tOsO, tOrO);
-  Tensor tOcO_gmem = gmem_thr_o.partition_S(make_identity_tensor(make_shape(size<0>(sO), size<1>(sO))));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOrO); ++m) {
-    const int packed = row0 + get<0>(tOcO_gmem(0, m, 0));
-    if (packed >= rows.rows) continue;
-    Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
-                   rows.offset(packed, p.out_row_stride, p.out_head_stride);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOrO); ++k) {
-      const int col = get<1>(tOcO_gmem(0, m, k));
-      if (col < p.head_dim) {
-        *reinterpret_cast<cute::uint128_t*>(out + col) = *reinterpret_cast<const cute::uint128_t*>(&tOrO(0, m, k));
-      }
-    }
-  }
+  write_forward_output<Traits>(p, smem, tiled_mma, acc_o, tOcO, softmax, rows, row0, b, split);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

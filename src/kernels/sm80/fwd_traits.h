@@ -4,6 +4,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/common/tile_copy.h"
 #include "kernels/sm80/tile_size.h"
 
 namespace flash_dmattn::kernels::sm80 {
@@ -44,17 +45,9 @@ struct ForwardTraits {
   using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  // Global <-> shared: 16-byte vectors, kGmemThreadsPerRow threads across a kBlockKSmem row.
-  static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
-                                      cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
-  using GmemTiledCopyQKV = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
-  using GmemTiledCopyO = decltype(cute::make_tiled_copy(
-      cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
-      cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
+  // Global <-> shared: 16-byte vectors across kBlockKSmem-element rows.
+  using GmemTiledCopyQKV = typename GmemRowCopies<Element, kNThreads, kBlockKSmem>::Async;
+  using GmemTiledCopyO = typename GmemRowCopies<Element, kNThreads, kBlockKSmem>::Vectors;
 
   static constexpr int kSmemBytes =
       static_cast<int>((cute::cosize(SmemLayoutQ{}) + 2 * cute::cosize(SmemLayoutKV{})) * sizeof(Element));

@@ -1,32 +1,13 @@
-// Building blocks shared by the sm80 forward and backward main loops: predicated cp.async tile
-// copies and the two GEMM shapes (both operands in shared memory, or A already in registers),
+// Building blocks shared by the sm80 forward and backward main loops: the predicated cp.async tile
+// copies of tile_copy.h and the two GEMM shapes (both operands in shared memory, or A already in registers),
 // each loading the next k-slice from shared memory while the MMAs of the current one run.
 #pragma once
 
 #include <cute/tensor.hpp>
 
-namespace flash_dmattn::kernels::sm80 {
+#include "kernels/common/tile_copy.h"
 
-// Copies a (rows, head dim) tile from global to shared memory with cp.async. Rows at or past
-// `valid_rows` and head-dim columns at or past `head_dim` are zero-filled instead: zero K rows
-// and columns add nothing to Q·Kᵀ, and zero V rows keep P·V finite where P is 0.
-template <typename TiledCopy, typename TensorS, typename TensorD, typename TensorC>
-__device__ __forceinline__ void copy_rows_async(const TiledCopy& tiled_copy, const TensorS& src, TensorD&& dst, const TensorC& coords,
-                                int valid_rows, int head_dim) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(src); ++m) {
-    const bool row_ok = get<0>(coords(0, m, 0)) < valid_rows;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(src); ++k) {
-      if (row_ok && get<1>(coords(0, m, k)) < head_dim) {
-        copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      } else {
-        clear(dst(_, m, k));
-      }
-    }
-  }
-}
+namespace flash_dmattn::kernels::sm80 {
 
 // acc += A·Bᵀ with both operands in shared memory, loading the next k-slice while the MMAs of
 // the current one run.

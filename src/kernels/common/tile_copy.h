@@ -1,0 +1,72 @@
+// Predicated global -> shared tile copies with cp.async (sm_80 and newer), shared by every main
+// loop that loads its tiles with the threads that compute on them.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+namespace flash_dmattn::kernels {
+
+// Tiled copies of (rows, head dim) tiles between global memory and shared or registers:
+// 16-byte vectors, kThreadsPerRow threads across kRowElems elements of a row.
+template <typename Element, int kThreads, int kRowElems>
+struct GmemRowCopies {
+  static constexpr int kElemsPerVector = 16 / sizeof(Element);
+  static constexpr int kThreadsPerRow = kRowElems / kElemsPerVector;
+  using ThreadLayout = cute::Layout<cute::Shape<cute::Int<kThreads / kThreadsPerRow>, cute::Int<kThreadsPerRow>>,
+                                    cute::Stride<cute::Int<kThreadsPerRow>, cute::_1>>;
+  using VectorLayout = cute::Layout<cute::Shape<cute::_1, cute::Int<kElemsPerVector>>>;
+  // global -> shared with cp.async
+  using Async = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, ThreadLayout{}, VectorLayout{}));
+  // shared -> registers, for the 16-byte stores that follow
+  using Vectors = decltype(cute::make_tiled_copy(
+      cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, ThreadLayout{}, VectorLayout{}));
+};
+
+// Copies a (rows, head dim) tile from global to shared memory with cp.async. Rows at or past
+// `valid_rows` and head-dim columns at or past `head_dim` are zero-filled instead: zero K rows
+// and columns add nothing to Q·Kᵀ, and zero V rows keep P·V finite where P is 0.
+template <typename TiledCopy, typename TensorS, typename TensorD, typename TensorC>
+__device__ __forceinline__ void copy_rows_async(const TiledCopy& tiled_copy, const TensorS& src, TensorD&& dst, const TensorC& coords,
+                                int valid_rows, int head_dim) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    const bool row_ok = get<0>(coords(0, m, 0)) < valid_rows;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (row_ok && get<1>(coords(0, m, k)) < head_dim) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
+// Copies query rows global -> shared with cp.async; each row's address comes from the row map
+// (packed rows of one tile belong to different heads). Rows past the end and head-dim columns
+// at or past `head_dim` are zero-filled.
+template <typename Element, typename TensorD, typename TensorC, typename RowPointer>
+__device__ __forceinline__ void copy_q_rows_async(TensorD& dst, const TensorC& coords, int valid_rows, int head_dim,
+                                                  RowPointer row_pointer) {
+  using namespace cute;
+  using Vector = cute::uint128_t;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(dst); ++m) {
+    const int row = get<0>(coords(0, m, 0));
+    const Element* src = row < valid_rows ? row_pointer(row) : nullptr;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(dst); ++k) {
+      const int col = get<1>(coords(0, m, k));
+      if (src && col < head_dim) {
+        auto& dst_vector = *reinterpret_cast<Vector*>(raw_pointer_cast(dst(_, m, k).data()));
+        SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src + col), dst_vector);
+      } else {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
+}  // namespace flash_dmattn::kernels

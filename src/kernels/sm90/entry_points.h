@@ -1,0 +1,16 @@
+// The sm90a kernels as host code sees them: no CuTe or CUTLASS types.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/params.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+// Whether this build includes the sm90a forward for `element` at head_dim's bucket.
+bool has_forward(ElementType element, int head_dim);
+
+// Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host.
+cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
+
+}  // namespace flash_dmattn::kernels::sm90

@@ -1,0 +1,80 @@
+// Tile shapes, shared-memory layouts and MMA/copy atoms of the sm90a (wgmma) forward.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/common/tile_copy.h"
+#include "kernels/sm90/tile_size.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+// The widest swizzle whose 8-row atom spans a whole number of `kContiguous`-element rows:
+// wgmma reads it without bank conflicts and its descriptors describe it exactly.
+template <typename Element, int kContiguous, cute::GMMA::Major kMajor>
+constexpr auto smem_atom() {
+  using namespace cute::GMMA;
+  constexpr int kRowElems = 128 / sizeof(Element);  // elements in 128 bytes
+  if constexpr (kMajor == Major::K) {
+    if constexpr (kContiguous % kRowElems == 0) return Layout_K_SW128_Atom<Element>{};
+    else if constexpr (kContiguous % (kRowElems / 2) == 0) return Layout_K_SW64_Atom<Element>{};
+    else return Layout_K_SW32_Atom<Element>{};
+  } else {
+    if constexpr (kContiguous % kRowElems == 0) return Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (kContiguous % (kRowElems / 2) == 0) return Layout_MN_SW64_Atom<Element>{};
+    else return Layout_MN_SW32_Atom<Element>{};
+  }
+}
+
+template <typename Element_, int kHeadDim_>
+struct ForwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.warps;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = 2;  // K and V tiles in flight: the next one loads while this one computes
+  static_assert(kBlockM == 64 * (kNThreads / 128), "one warpgroup per 64 query rows");
+
+  using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;  // S = Q·Kᵀ (M, N, K)
+  using TileO = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;  // O += P·V (M, N, K)
+  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kBlockM / 64>, cute::_1, cute::_1>>;
+  // S: both operands from shared memory. O: P from registers (the accumulator of S, converted),
+  // V from shared memory as stored, keys by head dim: for the B operand (head dim x keys) that is
+  // MN-major.
+  using TiledMmaS = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileS>(),
+                                                  WarpgroupsAlongM{}));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, TileO, cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+
+  using SmemLayoutQ = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V as the P·V product reads it, (D, kBlockN, stage), and the same bytes as the loads write
+  // them, (kBlockN, D, stage).
+  using SmemLayoutVt = decltype(cute::tile_to_shape(
+      smem_atom<Element, kHeadDim, cute::GMMA::Major::MN>(),
+      cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutV = decltype(cute::composition(
+      SmemLayoutVt{}, cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>,
+                                   cute::Stride<cute::Int<kHeadDim>, cute::_1, cute::Int<kHeadDim * kBlockN>>>{}));
+  using SmemLayoutO = SmemLayoutQ;  // the output tile reuses Q's shared memory
+
+  using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  // Global <-> shared: 16-byte vectors across rows of up to 64 elements.
+  static constexpr int kGmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
+  using GmemTiledCopyQKV = typename GmemRowCopies<Element, kNThreads, kGmemRowElems>::Async;
+  using GmemTiledCopyO = typename GmemRowCopies<Element, kNThreads, kGmemRowElems>::Vectors;
+
+  static constexpr int kSmemBytes = static_cast<int>(
+      (cute::cosize(SmemLayoutQ{}) + cute::cosize(SmemLayoutK{}) + cute::cosize(SmemLayoutVt{})) * sizeof(Element));
+};
+
+}  // namespace flash_dmattn::kernels::sm90

@@ -1,0 +1,16 @@
+// Tile shape of the sm90a forward; plain C++ so that host code (planning split-KV, benchmarks
+// counting visited tiles) can read it too.
+#pragma once
+
+#include "kernels/sm80/tile_size.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+// Two warpgroups of 64 query rows each (a wgmma is 64 rows tall), one CTA per SM. A thread holds
+// 64 x block_n / 128 logits, the 16-bit P of the previous key tile (its P·V wgmma runs while this
+// tile's softmax does) and 64 x D / 128 output accumulators. At D = 128, block_n = 128 needed
+// 2.3 KB of spills per thread (ptxas, sm_90a), and at D = 64 196 bytes; block_n = 64 fits (255
+// registers, 20 bytes of spills at D = 128 with the bias and mask loads issued ahead of S).
+constexpr sm80::ForwardTile forward_tile(int /*head_dim*/) { return {128, 64, 8, 1}; }
+
+}  // namespace flash_dmattn::kernels::sm90

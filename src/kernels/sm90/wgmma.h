@@ -1,0 +1,31 @@
+// Issuing a warpgroup GEMM (wgmma) over the K mode of its operands, asynchronously: the caller
+// waits with cute::warpgroup_wait<N>() (N = wgmma batches that may still run) and only then
+// touches the accumulator, or the registers of an A operand, again.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+
+namespace flash_dmattn::kernels::sm90 {
+
+// c = a·b (kZeroInit) or c += a·b. The operand fences keep the compiler from moving reads or
+// writes of c, or of a register A, across the asynchronous MMA.
+template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB, typename TensorC>
+__device__ __forceinline__ void wgmma_issue(TiledMma& mma, TensorA& a, const TensorB& b, TensorC& c) {
+  using namespace cute;
+  constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegisterA) warpgroup_fence_operand(a);
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegisterA) warpgroup_fence_operand(a);
+}
+
+}  // namespace flash_dmattn::kernels::sm90
