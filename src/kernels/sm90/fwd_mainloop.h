@@ -116,11 +116,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     int stage = 0;
     bool elementwise = tiles.needs_elementwise(n_block);
     await_tiles();
+    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
     int next = tiles.at_or_below(n_block - 1);
     load(tVgV, tVsV, n_block, stage);
     if (next >= 0) load(tKgK, tKsK, next, stage ^ 1);
     cp_async_fence();
-    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
     policy.load_inputs(inputs, tScS, n_block, elementwise);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
@@ -135,12 +135,14 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       // K of this tile and V of the last one landed; every warpgroup is done with the stages
       // that the next loads overwrite (its MMAs of the last iteration completed).
       await_tiles();
+      // The MMAs first, so that the tensor cores start while this thread issues the loads: they
+      // write the other stages (V of this tile, K of the next).
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, stage ^ 1), acc_o);
       next = tiles.at_or_below(n_block - 1);
       load(tVgV, tVsV, n_block, stage);
       if (next >= 0) load(tKgK, tKsK, next, stage ^ 1);
       cp_async_fence();
-      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-      wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, stage ^ 1), acc_o);
       policy.load_inputs(inputs, tScS, n_block, elementwise);
       warpgroup_wait<1>();  // S of this tile; the last tile's P·V may still run
       warpgroup_fence_operand(acc_s);
