@@ -100,14 +100,13 @@ bool tile_visited(const Workload& w, int m0, int m1, int n0, int n1) {
 }
 
 // Whether the library runs the sm90a forward here: an sm_90 GPU, FLASH_DMATTN_KERNELS not set to
-// sm80, a head dim of the sm90a family (64 to 128, src/kernels/manifest.cmake) and no GQA
-// packing (decode with Sq <= 16 and grouped heads runs on sm80). The build is assumed to include
-// the sm90a family, as it does by default for sm_90.
+// sm80, a head dim of the sm90a family (64 to 128, src/kernels/manifest.cmake) and Sq > 16
+// (decode runs on sm80): choose_forward_family in src/cuda/cuda_backend.cpp for these
+// workloads. The build is assumed to include the sm90a family, as it does by default for sm_90.
 bool g_sm90_device = false;
 bool runs_sm90a(const Workload& w) {
   const char* forced = std::getenv("FLASH_DMATTN_KERNELS");
-  const bool packed = w.Sq <= 16 && w.H > w.Hk;
-  return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && w.D > 32 && w.D <= 128 && !packed;
+  return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && w.D > 32 && w.D <= 128 && w.Sq > 16;
 }
 
 fd::kernels::sm80::ForwardTile forward_tile(const Workload& w) {

@@ -9,15 +9,24 @@ set(FLASH_DMATTN_DTYPES "${FLASH_DMATTN_ALL_DTYPES}" CACHE STRING
 # include sm_90.
 set(FLASH_DMATTN_SM90A "AUTO" CACHE STRING "Build the sm90a (Hopper wgmma) kernels: AUTO (when FLASH_DMATTN_CUDA_ARCHS has 90), ON or OFF")
 set_property(CACHE FLASH_DMATTN_SM90A PROPERTY STRINGS AUTO ON OFF)
+if(NOT FLASH_DMATTN_SM90A MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "FLASH_DMATTN_SM90A must be AUTO, ON or OFF, got '${FLASH_DMATTN_SM90A}'")
+endif()
+set(FLASH_DMATTN_WITH_SM90A ${FLASH_DMATTN_SM90A})
 if(FLASH_DMATTN_SM90A STREQUAL "AUTO")
   set(FLASH_DMATTN_WITH_SM90A OFF)
   foreach(arch IN LISTS FLASH_DMATTN_CUDA_ARCHS)
-    if(arch MATCHES "^90")
+    if(arch MATCHES "^(90|native$|all$|all-major$)")
       set(FLASH_DMATTN_WITH_SM90A ON)
     endif()
   endforeach()
-else()
-  set(FLASH_DMATTN_WITH_SM90A ${FLASH_DMATTN_SM90A})
+endif()
+# sm_90a needs CUDA 12.0 or newer.
+if(FLASH_DMATTN_WITH_SM90A AND CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.0)
+  if(FLASH_DMATTN_SM90A STREQUAL "ON")
+    message(FATAL_ERROR "FLASH_DMATTN_SM90A=ON needs nvcc 12.0 or newer, found ${CMAKE_CUDA_COMPILER_VERSION}")
+  endif()
+  set(FLASH_DMATTN_WITH_SM90A OFF)
 endif()
 
 # Sets `out_var` to the generated sm80 sources and `sm90_out_var` to the sm90a ones (compiled for

@@ -32,8 +32,11 @@ build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU
 gpu_rc=$?
 sm80_line=""
 if [ "${cc:-80}" -eq 90 ]; then
+  # The forward tests only: add *Backward* to the filter's negative patterns.
+  forward_filter="${GPU_TEST_FILTER:-*}"
+  case "$forward_filter" in *-*) forward_filter+=":*Backward*" ;; *) forward_filter+=":-*Backward*" ;; esac
   FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="${GPU_TEST_FILTER:-*}:-*Backward*" > "$OUT/gpu_tests_sm80_forward.log" 2>&1 || gpu_rc=1
+    --gtest_filter="$forward_filter" > "$OUT/gpu_tests_sm80_forward.log" 2>&1 || gpu_rc=1
   sm80_line="forward tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80_forward.log" | tr '\n' ' ')"
   tail -5 "$OUT/gpu_tests_sm80_forward.log"
 fi

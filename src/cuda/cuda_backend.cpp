@@ -50,7 +50,8 @@ BroadcastOperand broadcast_operand(const TensorView& t, std::int64_t heads) {
   return op;
 }
 
-kernels::MaskExtent mask_extent(const TensorView& mask, std::int64_t heads) {
+kernels::MaskExtent mask_extent(const TensorView& mask, const Problem& p) {
+  const std::int64_t heads = p.heads;
   kernels::MaskExtent m;
   m.ptr = static_cast<const std::uint8_t*>(mask.data);
   m.batches = mask.shape[0];
@@ -62,6 +63,8 @@ kernels::MaskExtent mask_extent(const TensorView& mask, std::int64_t heads) {
   m.row_stride = mask.stride[2];
   m.col_stride = mask.stride[3];
   m.head_divisor = static_cast<int>(heads / mask.shape[1]);
+  m.causal = p.causal && mask.shape[2] > 1;
+  m.diagonal = p.seqlen_k - p.seqlen_q;
   return m;
 }
 
@@ -137,12 +140,14 @@ std::optional<std::string> sm90a_forward_unavailable(const Problem& p, int arch,
            "; FLASH_DMATTN_SM90A, FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
   }
   if (pack_group > 1) return std::string("does not pack GQA heads: decode with Sq <= 16 runs on sm80");
+  // Its 128-row tiles would compute mostly padding there; the sm80 warps without rows skip theirs.
+  if (p.seqlen_q <= 16) return std::string("does not run Sq <= 16 (decode runs on sm80)");
   return std::nullopt;
 }
 
 ForwardFamily choose_forward_family(const Problem& p, int arch, int pack_group, std::string& error) {
   const char* value = std::getenv(kKernelsVariable);
-  const std::string mode = value ? value : "auto";
+  const std::string mode = value && *value ? value : "auto";
   if (mode == "sm80") return ForwardFamily::sm80;
   if (mode != "auto" && mode != "sm90a") {
     error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
@@ -156,7 +161,7 @@ ForwardFamily choose_forward_family(const Problem& p, int arch, int pack_group, 
 
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
-  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
+  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
   // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
   const std::int64_t group = p.group_size();
@@ -211,7 +216,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p) {
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
-  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p.heads));
+  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
   plan.dq_accum_bytes = static_cast<std::size_t>(plan.dq_slots) * p.batch * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
 
@@ -360,8 +365,8 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::string describe(const Problem& p) const override {
     const int arch = arch_of(p.device.index);
-    std::string families = "mma.sync kernels";
-    if (!sm90a_forward_unavailable(p, arch, 1)) families += ", wgmma (sm90a) forward";
+    std::string families = "mma.sync kernels", ignored;
+    if (choose_forward_family(p, arch, 1, ignored) == ForwardFamily::sm90a) families += ", wgmma (sm90a) forward";
     return "cuda_sm80: " + families + " on cuda:" + std::to_string(p.device.index) + " (sm_" + std::to_string(arch) + ")";
   }
 
@@ -389,7 +394,7 @@ class CudaSm80Backend final : public BackendImpl {
           reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes) + align_up(plan.partial_out_bytes));
     }
     if (a.mask) {
-      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p.heads), workspace, stream,
+      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
                                                         &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
@@ -417,7 +422,7 @@ class CudaSm80Backend final : public BackendImpl {
     params.dbias.accum = reinterpret_cast<float*>(workspace + offset);
 
     if (a.mask) {
-      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p.heads), workspace, stream,
+      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
                                                         &params.fwd.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }

@@ -189,7 +189,8 @@ struct MaskBiasPolicy {
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
     static_assert(decltype(size<1>(coords))::value == kCols);
     const int n_begin = n_block * kBlockN;
-    if (has_bias && bias_shared_row && bias_pairs && !elementwise) {
+    static_assert(kCols % 2 == 0, "a thread's columns come in neighbouring pairs");
+    if (bias_pairs && !elementwise) {
       // A tile without per-element masking lies inside [0, Sk), and the thread's columns come in
       // neighbouring pairs starting at even keys: one aligned access per pair, no clamping. A
       // 16-bit pair stays packed in the even slot.
@@ -353,12 +354,11 @@ struct MaskBiasPolicy {
     static_assert(decltype(size<1>(s))::value == kCols);
     const float logit_scale = kSoftcap ? scale / softcap : scale;
     const int n_begin = n_block * kBlockN;
-    // Keys past Sk (the last key tile, which is elementwise) read the last key: in bounds, and
-    // masked below.
+    // Keys past Sk (only in the last key tile, which is elementwise) read the last key: in
+    // bounds, and masked below.
     auto bias_at = [&](int r, int j) {
       if constexpr (kBias) {
         const auto* row = reinterpret_cast<const typename Bias::Element*>(bias_row[r]);
-        // Only tiles with per-element masking reach past Sk.
         return static_cast<float>(row[bias_key_broadcast ? 0 : kElementwise ? min(j, seqlen_k - 1) : j]);
       } else {
         return 0.f;

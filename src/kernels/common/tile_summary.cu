@@ -15,6 +15,7 @@ constexpr int kStripCols = kStripBlocks * kSummaryBlock;
 constexpr int kStripWords = kStripCols / 32;
 constexpr int kVectorsPerRow = kSummaryBlock / 16;  // 16-byte vectors per row of a block
 static_assert(kThreads == kSummaryBlock * kVectorsPerRow, "the vectorized path gives a thread one vector per block");
+static_assert(kStripBlocks <= 4, "a block's flags are one byte of a 32-bit word");
 
 __host__ __device__ std::int64_t blocks_of(std::int64_t n) { return (n + kSummaryBlock - 1) / kSummaryBlock; }
 __host__ __device__ std::int64_t words_of(std::int64_t cols) { return (cols + 31) / 32; }
@@ -47,55 +48,65 @@ __global__ void __launch_bounds__(kThreads) tile_summary_kernel(MaskExtent mask,
       mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride + c0 * mask.col_stride;
   std::uint32_t* bits_row0 = bits_out + (bh * mask.rows + r0) * words_of(mask.cols) + c0 / 32;
   if (threadIdx.x < kStripBlocks) flags[threadIdx.x] = 0;
+  // Keys of the strip at or past `seen` are causally hidden from every one of its rows.
+  int seen = cols;
+  if (mask.causal) {
+    const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
+    seen = static_cast<int>(last_key < c0 ? 0 : (last_key - c0 + 1 < cols ? last_key - c0 + 1 : cols));
+  }
 
-  // A whole strip of 16-byte-aligned rows: thread t reads vector t % 4 of row t / 4 in each
+  for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
+  __syncthreads();  // flags and words cleared
+
+  // Whole blocks of 16-byte-aligned rows: thread t reads vector t % 4 of row t / 4 in each
   // block, all loads issued before the first is used; the 16 bits of a vector pair up across
   // neighbouring lanes into the row's words, and warp votes give each block's flags.
-  const bool vectorized = cols == kStripCols && mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
-                          reinterpret_cast<std::uintptr_t>(base) % 16 == 0;
-  if (vectorized) {
+  const bool aligned = mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(base) % 16 == 0;
+  const int vector_blocks = aligned ? cols / kSummaryBlock : 0;
+  {
     const int row = threadIdx.x / kVectorsPerRow, vec = threadIdx.x % kVectorsPerRow;
-    const bool in_rows = row < rows;
     uint4 v[kStripBlocks];
+    bool read[kStripBlocks];
+#pragma unroll
     for (int k = 0; k < kStripBlocks; ++k) {
-      v[k] = in_rows ? *reinterpret_cast<const uint4*>(base + row * mask.row_stride + k * kSummaryBlock + vec * 16)
+      read[k] = row < rows && k < vector_blocks && k * kSummaryBlock < seen;
+      v[k] = read[k] ? *reinterpret_cast<const uint4*>(base + row * mask.row_stride + k * kSummaryBlock + vec * 16)
                      : make_uint4(0, 0, 0, 0);
     }
-    std::uint8_t my_flags[kStripBlocks];
+#pragma unroll
     for (int k = 0; k < kStripBlocks; ++k) {
+      if (k >= vector_blocks) break;  // uniform: every lane takes part in the shuffles and votes
       const std::uint32_t keep = nonzero_bytes(v[k]);
       const std::uint32_t pair = keep | (__shfl_down_sync(0xffffffffu, keep, 1) << 16);
-      if (in_rows && vec % 2 == 0) bits_row0[row * words_of(mask.cols) + k * (kSummaryBlock / 32) + vec / 2] = pair;
-      my_flags[k] = in_rows ? ((keep != 0 ? kTileHasVisible : 0) | (keep != 0xffffu ? kTileHasHidden : 0)) : 0;
-    }
-    __syncthreads();  // flags cleared
-    for (int k = 0; k < kStripBlocks; ++k) {
-      const bool visible = __any_sync(0xffffffffu, my_flags[k] & kTileHasVisible);
-      const bool hidden = __any_sync(0xffffffffu, my_flags[k] & kTileHasHidden);
+      if (read[k] && vec % 2 == 0) bits_row0[row * words_of(mask.cols) + k * (kSummaryBlock / 32) + vec / 2] = pair;
+      const bool visible = __any_sync(0xffffffffu, read[k] && keep != 0);
+      const bool hidden = __any_sync(0xffffffffu, read[k] && keep != 0xffffu);
       if (threadIdx.x % 32 == 0 && (visible || hidden)) {
-        atomicOr(reinterpret_cast<unsigned int*>(flags), unsigned((visible ? kTileHasVisible : 0) |
-                                                                  (hidden ? kTileHasHidden : 0)) << (8 * k));
+        atomicOr(reinterpret_cast<unsigned int*>(flags),
+                 unsigned((visible ? kTileHasVisible : 0) | (hidden ? kTileHasHidden : 0)) << (8 * k));
       }
     }
-  } else {
-    for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
-    __syncthreads();
-    unsigned my_flags = 0;  // byte k: block k's flags
-    for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
-      const int row = e / cols, col = e % cols;
-      const bool keep = base[row * mask.row_stride + col * mask.col_stride] != 0;
-      my_flags |= unsigned(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
-      if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
-    }
-    if (my_flags) atomicOr(reinterpret_cast<unsigned int*>(flags), my_flags);
-    __syncthreads();
-    const int strip_words = static_cast<int>(words_of(cols));
-    for (int i = threadIdx.x; i < rows * strip_words; i += kThreads) {
-      const int row = i / strip_words, w = i % strip_words;
-      bits_row0[row * words_of(mask.cols) + w] = words[row][w];
-    }
   }
+
+  // The rest of the strip element by element: a block cut by the end of the keys, or every
+  // block of a mask whose rows are not 16-byte aligned.
+  const int first_col = vector_blocks * kSummaryBlock;
+  const int scalar_cols = seen > first_col ? seen - first_col : 0;
+  unsigned my_flags = 0;  // byte k: block k's flags
+  for (int e = threadIdx.x; e < rows * scalar_cols; e += kThreads) {
+    const int row = e / scalar_cols, col = first_col + e % scalar_cols;
+    const bool keep = base[row * mask.row_stride + col * mask.col_stride] != 0;
+    my_flags |= unsigned(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
+    if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
+  }
+  if (my_flags) atomicOr(reinterpret_cast<unsigned int*>(flags), my_flags);
   __syncthreads();
+  const int first_word = first_col / 32, scalar_words = static_cast<int>(words_of(cols)) - first_word;
+  for (int i = threadIdx.x; i < rows * scalar_words; i += kThreads) {
+    const int row = i / scalar_words, w = first_word + i % scalar_words;
+    bits_row0[row * words_of(mask.cols) + w] = words[row][w];
+  }
   const std::int64_t first_block = std::int64_t(blockIdx.x) * kStripBlocks;
   if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
     out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = flags[threadIdx.x];

@@ -17,6 +17,11 @@ struct MaskExtent {
   std::int64_t batches = 0, heads = 0, rows = 0, cols = 0;
   std::int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
   int head_divisor = 1;  // query heads per mask head
+  // Causal, with a row per query: row i sees keys j <= i + diagonal. The kernels never read the
+  // summary or bits of keys that no row of a block can see, so the build skips them: half the
+  // mask's bytes under causal masking. Their classes are written as 0, their bits not at all.
+  bool causal = false;
+  std::int64_t diagonal = 0;
 };
 
 // Bytes of workspace the summary of this mask needs.

@@ -99,6 +99,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   int n_block = tiles.first();
   if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
   cp_async_fence();
+  // Warp w owns rows 16w..16w+15. A warp whose rows are all past the tile's end (a packed decode
+  // tile holds a handful of rows) skips the MMAs and the softmax but keeps loading and meeting
+  // the barriers: the MMAs of the padding rows were half of the decode time.
+  static_assert(kBlockM == 16 * Traits::kNWarps, "one 16-row slab per warp");
+  const bool warp_has_rows = threadIdx.x / 32 * 16 < tile_rows;
 
   while (n_block >= 0) {
     const bool elementwise = tiles.needs_elementwise(n_block);
@@ -109,8 +114,10 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     load_kv(tVgV, tVsV, n_block);
     cp_async_fence();
 
-    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
-    policy.apply(acc_s, tScS, n_block, elementwise);
+    if (warp_has_rows) {
+      gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+      policy.apply(acc_s, tScS, n_block, elementwise);
+    }
 
     const int next = tiles.at_or_below(n_block - 1);
     cp_async_wait<0>();
@@ -118,11 +125,13 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     if (next >= 0) load_kv(tKgK, tKsK, next);
     cp_async_fence();
 
-    Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-    softmax.update(acc_s_rows, acc_o_rows);
-    Tensor probabilities = convert_fragment<Element>(acc_s);
-    Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
-    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    if (warp_has_rows) {
+      Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+      softmax.update(acc_s_rows, acc_o_rows);
+      Tensor probabilities = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
+      gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    }
     n_block = next;
   }
 

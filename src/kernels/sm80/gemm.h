@@ -1,6 +1,6 @@
-// Building blocks shared by the sm80 forward and backward main loops: the predicated cp.async tile
-// copies of tile_copy.h and the two GEMM shapes (both operands in shared memory, or A already in registers),
-// each loading the next k-slice from shared memory while the MMAs of the current one run.
+// The GEMM steps shared by the sm80 forward and backward main loops: both operands in shared
+// memory, or A already in registers, each loading the next k-slice from shared memory while the
+// MMAs of the current one run. (Their tile copies are in kernels/common/tile_copy.h.)
 #pragma once
 
 #include <cute/tensor.hpp>
