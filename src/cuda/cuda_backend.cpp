@@ -133,19 +133,19 @@ int multiprocessors(int device) {
 }
 
 // Why the sm90a forward cannot run a call, or nothing when it can.
-std::optional<std::string> sm90a_forward_unavailable(const Problem& p, int arch, int pack_group) {
+std::optional<std::string> sm90a_forward_unavailable(const Problem& p, int arch) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
   if (!kernels::sm90::has_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) {
     return "is not in this build for head dim " + std::to_string(p.head_dim) + " (" + dtype_name(p.dtype) +
            "; FLASH_DMATTN_SM90A, FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
   }
-  if (pack_group > 1) return std::string("does not pack GQA heads: decode with Sq <= 16 runs on sm80");
-  // Its 128-row tiles would compute mostly padding there; the sm80 warps without rows skip theirs.
+  // Its 128-row tiles would compute mostly padding there; the sm80 warps without rows skip theirs,
+  // and only there do GQA heads get packed (which this kernel does not do).
   if (p.seqlen_q <= 16) return std::string("does not run Sq <= 16 (decode runs on sm80)");
   return std::nullopt;
 }
 
-ForwardFamily choose_forward_family(const Problem& p, int arch, int pack_group, std::string& error) {
+ForwardFamily choose_forward_family(const Problem& p, int arch, std::string& error) {
   const char* value = std::getenv(kKernelsVariable);
   const std::string mode = value && *value ? value : "auto";
   if (mode == "sm80") return ForwardFamily::sm80;
@@ -153,7 +153,7 @@ ForwardFamily choose_forward_family(const Problem& p, int arch, int pack_group, 
     error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
     return ForwardFamily::sm80;
   }
-  const auto unavailable = sm90a_forward_unavailable(p, arch, pack_group);
+  const auto unavailable = sm90a_forward_unavailable(p, arch);
   if (!unavailable) return ForwardFamily::sm90a;
   if (mode == "sm90a") error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a forward " + *unavailable;
   return ForwardFamily::sm80;
@@ -167,7 +167,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t group = p.group_size();
   const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
-  plan.family = choose_forward_family(p, arch, plan.pack_group, plan.error);
+  plan.family = choose_forward_family(p, arch, plan.error);
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at two waves.
   const auto tile = plan.family == ForwardFamily::sm90a ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim))
@@ -366,7 +366,7 @@ class CudaSm80Backend final : public BackendImpl {
   std::string describe(const Problem& p) const override {
     const int arch = arch_of(p.device.index);
     std::string families = "mma.sync kernels", ignored;
-    if (choose_forward_family(p, arch, 1, ignored) == ForwardFamily::sm90a) families += ", wgmma (sm90a) forward";
+    if (choose_forward_family(p, arch, ignored) == ForwardFamily::sm90a) families += ", wgmma (sm90a) forward";
     return "cuda_sm80: " + families + " on cuda:" + std::to_string(p.device.index) + " (sm_" + std::to_string(arch) + ")";
   }
 
