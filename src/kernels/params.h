@@ -31,7 +31,6 @@ struct TileSummary {
   const std::uint32_t* bits = nullptr;
   std::int64_t bits_batch_stride = 0, bits_head_stride = 0, bits_row_stride = 0;  // in words; 0 where the mask broadcasts
   int bits_row_words = 0;  // words per mask row
-  bool key_broadcast = false;  // the mask's key dim is 1
 };
 
 inline constexpr int kSummaryBlock = 64;

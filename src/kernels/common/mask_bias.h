@@ -129,7 +129,7 @@ struct MaskBiasPolicy {
     using namespace cute;
     has_mask = p.summary.bits != nullptr;
     has_bias = p.bias.ptr != nullptr;
-    mask_key_broadcast = p.summary.key_broadcast;
+    mask_key_broadcast = p.summary.col_stride == 0;  // one summary column: the mask's key dim is 1
     mask_row_words = p.summary.bits_row_words;
     bias_key_broadcast = p.bias.col_stride == 0;
     bias_shared_row = p.bias.row_stride == 0;

@@ -136,7 +136,6 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   summary->bits_head_stride = mask.rows * row_words;
   summary->bits_row_stride = mask.rows == 1 ? 0 : row_words;
   summary->bits_row_words = static_cast<int>(row_words);
-  summary->key_broadcast = mask.cols == 1;
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((col_blocks + kStripBlocks - 1) / kStripBlocks), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(mask.batches * mask.heads));
