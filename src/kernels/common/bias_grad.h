@@ -20,8 +20,6 @@ namespace flash_dmattn::kernels {
 // rows of the S = Q·Kᵀ GEMM (warp w sits at row w % kWarpsM).
 template <int kBlockM, int kBlockN, int kCols, int kWarpsM, int kThreads>
 struct BiasGradTile {
-  BiasGradKind kind;
-  bool direct;
   // A plain copy: taking the address of the __grid_constant__ parameters would move every access
   // to generic memory (fields used only on rare paths are re-read from parameter space).
   BiasGrad g;
@@ -30,7 +28,7 @@ struct BiasGradTile {
   float col_sum[kCols];  // columns: this thread's part of the current bias head's key sums
 
   __device__ __forceinline__ BiasGradTile(const BackwardParams& p, int b, int kv_head)
-      : kind(p.dbias.kind), direct(p.dbias.direct), g(p.dbias), batch(b) {
+      : g(p.dbias), batch(b) {
     const int batch_slot = g.batch_slots > 1 ? b : 0;
     const int kv_slot = kv_head % g.kv_slots;
     slot_base = (std::int64_t(batch_slot) * g.kv_slots + kv_slot) * g.accum_slot_stride;
@@ -60,7 +58,7 @@ struct BiasGradTile {
                                            int seqlen_q, int seqlen_k) {
     using namespace cute;
     constexpr int kRows = decltype(size<0>(dz))::value;
-    if (kind == BiasGradKind::columns) {
+    if (g.kind == BiasGradKind::columns) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
@@ -68,19 +66,19 @@ struct BiasGradTile {
       }
       return;
     }
-    if (kind != BiasGradKind::elements) return;
+    if (g.kind != BiasGradKind::elements) return;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int i = row0 + get<0>(coords(r, 0));
       if (i >= seqlen_q) continue;
-      const std::int64_t row = direct ? batch * g.batch_stride + (head / g.head_divisor) * g.head_stride +
+      const std::int64_t row = g.direct ? batch * g.batch_stride + (head / g.head_divisor) * g.head_stride +
                                             i * g.row_stride + n_begin
                                       : accum_offset(head, i, n_begin);
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const int j = get<1>(coords(r, c));
         if (n_begin + j >= seqlen_k) continue;
-        if (direct) {
+        if (g.direct) {
           store_rounded(g.type, g.out, row + j, dz(r, c));
         } else if (dz(r, c) != 0.f) {
           accumulate(row + j, dz(r, c));
@@ -92,7 +90,7 @@ struct BiasGradTile {
   // elements, direct: a query tile that the walk skipped still owns its dbias elements, which are 0.
   __device__ __forceinline__ void zero_tiles(int head, int m_block_begin, int m_block_end, int n_begin, int seqlen_q,
                                              int seqlen_k) const {
-    if (kind != BiasGradKind::elements || !direct || m_block_begin >= m_block_end) return;
+    if (g.kind != BiasGradKind::elements || !g.direct || m_block_begin >= m_block_end) return;
     const int row_begin = m_block_begin * kBlockM, rows = min(m_block_end * kBlockM, seqlen_q) - row_begin;
     const int cols = min(kBlockN, seqlen_k - n_begin);
     const std::int64_t base = batch * g.batch_stride + (head / g.head_divisor) * g.head_stride;
@@ -108,7 +106,7 @@ struct BiasGradTile {
   template <typename TensorC>
   __device__ __forceinline__ void flush_columns(const TensorC& coords_rc, float* reduce, int head, int n_begin,
                                                 int seqlen_k) {
-    if (kind != BiasGradKind::columns) return;
+    if (g.kind != BiasGradKind::columns) return;
     const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 % kWarpsM;
     __syncthreads();  // the reduce buffer is free
     CUTE_UNROLL
@@ -125,7 +123,7 @@ struct BiasGradTile {
       if (n_begin + j >= seqlen_k) continue;
       float x = 0.f;
       for (int w = 0; w < kWarpsM; ++w) x += reduce[w * kBlockN + j];
-      if (direct) {
+      if (g.direct) {
         store_rounded(g.type, g.out, batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + n_begin + j, x);
       } else if (x != 0.f) {
         accumulate(accum_offset(head, 0, n_begin + j), x);
