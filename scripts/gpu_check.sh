@@ -5,9 +5,9 @@
 # Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real on a Hopper GPU, else 80-real),
 # CUTLASS_DIR (default .carry/cutlass when present), GTEST_SOURCE_DIR (default .carry/googletest
 # when present), CMAKE_EXTRA (more configure flags), SKIP_BENCH=1, SKIP_SANITIZERS=1,
-# GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the forward tests and the
-# forward benchmark run twice: with the default kernels (the sm90a forward where it applies) and
-# with FLASH_DMATTN_KERNELS=sm80.
+# GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the GPU suite and the
+# benchmark run twice: with the default kernels (the sm90a ones where they apply) and with
+# FLASH_DMATTN_KERNELS=sm80.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
@@ -32,13 +32,10 @@ build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU
 gpu_rc=$?
 sm80_line=""
 if [ "${cc:-80}" -eq 90 ]; then
-  # The forward tests only: add *Backward* to the filter's negative patterns.
-  forward_filter="${GPU_TEST_FILTER:-*}"
-  case "$forward_filter" in *-*) forward_filter+=":*Backward*" ;; *) forward_filter+=":-*Backward*" ;; esac
   FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="$forward_filter" > "$OUT/gpu_tests_sm80_forward.log" 2>&1 || gpu_rc=1
-  sm80_line="forward tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80_forward.log" | tr '\n' ' ')"
-  tail -5 "$OUT/gpu_tests_sm80_forward.log"
+    --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
+  sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80.log" | tr '\n' ' ')"
+  tail -5 "$OUT/gpu_tests_sm80.log"
 fi
 gpu_s=$(( $(date +%s) - start ))
 tail -30 "$OUT/gpu_tests.log"
@@ -46,7 +43,7 @@ tail -30 "$OUT/gpu_tests.log"
 if [ -z "${SKIP_BENCH:-}" ]; then
   build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$OUT/bench_forward.txt" 2>&1
   if [ "${cc:-80}" -eq 90 ]; then
-    FLASH_DMATTN_KERNELS=sm80 build-gpu/flash_dmattn_bench_forward --forward-only --json "$OUT/bench_forward_sm80.json" \
+    FLASH_DMATTN_KERNELS=sm80 build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward_sm80.json" \
       > "$OUT/bench_forward_sm80.txt" 2>&1
   fi
   python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$OUT/baselines_torch.txt" 2>&1

@@ -24,6 +24,7 @@ namespace {
 
 using kernels::BroadcastOperand;
 using kernels::ElementType;
+using Pass = BackendImpl::Pass;
 
 constexpr std::size_t align_up(std::size_t bytes) {
   return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
@@ -104,15 +105,15 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
   return f;
 }
 
-// The kernel family of a forward. FLASH_DMATTN_KERNELS=sm80 or sm90a forces one (to test both on
-// a Hopper GPU); unset or "auto" picks sm90a wherever it can run.
-enum class ForwardFamily { sm80, sm90a };
+// The kernel family of a pass. FLASH_DMATTN_KERNELS=sm80 or sm90a forces one (to test both on a
+// Hopper GPU); unset or "auto" picks sm90a wherever it can run.
+enum class KernelFamily { sm80, sm90a };
 constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
 
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
 // the GPU (decode), and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
 struct ForwardPlan {
-  ForwardFamily family = ForwardFamily::sm80;
+  KernelFamily family = KernelFamily::sm80;
   std::string error;  // a FLASH_DMATTN_KERNELS value that cannot be honoured
   int pack_group = 1;
   int num_splits = 1;
@@ -132,31 +133,37 @@ int multiprocessors(int device) {
   return sms;
 }
 
-// Why the sm90a forward cannot run a call, or nothing when it can.
-std::optional<std::string> sm90a_forward_unavailable(const Problem& p, int arch) {
+// Why the sm90a kernels cannot run a pass of a call, or nothing when they can.
+std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pass) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
-  if (!kernels::sm90::has_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) {
+  const ElementType element = element_type(p.dtype);
+  const int head_dim = static_cast<int>(p.head_dim);
+  if (!(pass == Pass::forward ? kernels::sm90::has_forward(element, head_dim)
+                              : kernels::sm90::has_backward(element, head_dim))) {
     return "is not in this build for head dim " + std::to_string(p.head_dim) + " (" + dtype_name(p.dtype) +
            "; FLASH_DMATTN_SM90A, FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
   }
-  // Its 128-row tiles would compute mostly padding there; the sm80 warps without rows skip theirs,
-  // and only there do GQA heads get packed (which this kernel does not do).
-  if (p.seqlen_q <= 16) return std::string("does not run Sq <= 16 (decode runs on sm80)");
+  // The forward's 128-row tiles would compute mostly padding there; the sm80 warps without rows
+  // skip theirs, and only there do GQA heads get packed (which this kernel does not do).
+  if (pass == Pass::forward && p.seqlen_q <= 16) return std::string("does not run Sq <= 16 (decode runs on sm80)");
   return std::nullopt;
 }
 
-ForwardFamily choose_forward_family(const Problem& p, int arch, std::string& error) {
+KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string& error) {
   const char* value = std::getenv(kKernelsVariable);
   const std::string mode = value && *value ? value : "auto";
-  if (mode == "sm80") return ForwardFamily::sm80;
+  if (mode == "sm80") return KernelFamily::sm80;
   if (mode != "auto" && mode != "sm90a") {
     error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
-    return ForwardFamily::sm80;
+    return KernelFamily::sm80;
   }
-  const auto unavailable = sm90a_forward_unavailable(p, arch);
-  if (!unavailable) return ForwardFamily::sm90a;
-  if (mode == "sm90a") error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a forward " + *unavailable;
-  return ForwardFamily::sm80;
+  const auto unavailable = sm90a_unavailable(p, arch, pass);
+  if (!unavailable) return KernelFamily::sm90a;
+  if (mode == "sm90a") {
+    error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a " +
+            (pass == Pass::forward ? "forward " : "backward ") + *unavailable;
+  }
+  return KernelFamily::sm80;
 }
 
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
@@ -167,10 +174,10 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t group = p.group_size();
   const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
-  plan.family = choose_forward_family(p, arch, plan.error);
+  plan.family = choose_family(p, arch, Pass::forward, plan.error);
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at two waves.
-  const auto tile = plan.family == ForwardFamily::sm90a ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim))
+  const auto tile = plan.family == KernelFamily::sm90a ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim))
                                                         : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
   const std::int64_t rows = p.seqlen_q * plan.pack_group;
   const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
@@ -189,10 +196,12 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   return plan;
 }
 
-// How a backward runs: the grid (one CTA per key tile, or in deterministic mode key_splits CTAs
-// striding over them), how dbias is produced, and the workspace layout that follows:
-// [tile summary][Δ][dq accumulators][dbias accumulators].
+// How a backward runs: the kernel family, the grid (one CTA per key tile, or in deterministic
+// mode key_splits CTAs striding over them), how dbias is produced, and the workspace layout that
+// follows: [tile summary][Δ][dq accumulators][dbias accumulators].
 struct BackwardPlan {
+  KernelFamily family = KernelFamily::sm80;
+  std::string error;  // a FLASH_DMATTN_KERNELS value that cannot be honoured
   int key_tiles = 0;
   int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
   int dq_slots = 1;
@@ -204,15 +213,20 @@ struct BackwardPlan {
   }
 };
 
-BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p) {
+BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
-  const auto tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
-  plan.key_tiles = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
+  plan.family = choose_family(p, arch, Pass::backward, plan.error);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int block_n = plan.family == KernelFamily::sm90a ? kernels::sm90::backward_tile(head_dim).block_n
+                                                          : kernels::sm80::backward_tile(head_dim).block_n;
+  const int ctas_per_sm = plan.family == KernelFamily::sm90a ? kernels::sm90::backward_tile(head_dim).ctas_per_sm
+                                                              : kernels::sm80::backward_tile(head_dim).ctas_per_sm;
+  plan.key_tiles = static_cast<int>((p.seqlen_k + block_n - 1) / block_n);
   const std::int64_t ctas_per_split = p.kv_heads * p.batch;
   if (p.deterministic && ctas_per_split > 0) {
     // At most one wave (a CTA past it would double the time), and no more: every dq slot costs a
     // zeroed B·H·Sq·D fp32 buffer and a read in the reduction.
-    const std::int64_t wave = std::int64_t(multiprocessors(p.device.index)) * tile.ctas_per_sm;
+    const std::int64_t wave = std::int64_t(multiprocessors(p.device.index)) * ctas_per_sm;
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
@@ -366,7 +380,11 @@ class CudaSm80Backend final : public BackendImpl {
   std::string describe(const Problem& p) const override {
     const int arch = arch_of(p.device.index);
     std::string families = "mma.sync kernels", ignored;
-    if (choose_forward_family(p, arch, ignored) == ForwardFamily::sm90a) families += ", wgmma (sm90a) forward";
+    const bool forward = choose_family(p, arch, Pass::forward, ignored) == KernelFamily::sm90a;
+    const bool backward = choose_family(p, arch, Pass::backward, ignored) == KernelFamily::sm90a;
+    if (forward || backward) {
+      families += std::string(", wgmma (sm90a) ") + (forward && backward ? "forward and backward" : forward ? "forward" : "backward");
+    }
     return "cuda_sm80: " + families + " on cuda:" + std::to_string(p.device.index) + " (sm_" + std::to_string(arch) + ")";
   }
 
@@ -375,7 +393,7 @@ class CudaSm80Backend final : public BackendImpl {
   }
 
   std::size_t backward_workspace_size(const BackwardArgs& a, const Problem& p) const override {
-    return plan_backward(a, p).workspace_bytes();
+    return plan_backward(a, p, arch_of(p.device.index)).workspace_bytes();
   }
 
   Status forward(const ForwardArgs& a, const Problem& p) const override {
@@ -398,7 +416,7 @@ class CudaSm80Backend final : public BackendImpl {
                                                         &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
-    const bool sm90a = plan.family == ForwardFamily::sm90a;
+    const bool sm90a = plan.family == KernelFamily::sm90a;
     cudaError_t e = sm90a ? kernels::sm90::forward(params, stream) : kernels::sm80::forward(params, stream);
     if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a forward launch" : "the sm80 forward launch", e);
     if (plan.num_splits > 1) {
@@ -411,7 +429,8 @@ class CudaSm80Backend final : public BackendImpl {
   Status backward(const BackwardArgs& a, const Problem& p) const override {
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
-    const BackwardPlan plan = plan_backward(a, p);
+    const BackwardPlan plan = plan_backward(a, p, arch_of(p.device.index));
+    if (!plan.error.empty()) return Status::error(StatusCode::invalid_argument, plan.error);
     kernels::BackwardParams params = backward_params(a, p, plan);
     char* workspace = static_cast<char*>(a.workspace.data);
     std::size_t offset = align_up(plan.summary_bytes);
@@ -435,8 +454,9 @@ class CudaSm80Backend final : public BackendImpl {
     cudaError_t e = kernels::compute_dsum(params, stream);
     if (e != cudaSuccess) return cuda_failure("the dO·O row-sum launch", e);
     if (p.batch > 0 && p.kv_heads > 0) {
-      e = kernels::sm80::backward(params, stream);
-      if (e != cudaSuccess) return cuda_failure("the sm80 backward launch", e);
+      const bool sm90a = plan.family == KernelFamily::sm90a;
+      e = sm90a ? kernels::sm90::backward(params, stream) : kernels::sm80::backward(params, stream);
+      if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a backward launch" : "the sm80 backward launch", e);
     }
     e = kernels::reduce_dq(params, stream);
     if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);

@@ -9,8 +9,11 @@
 
 #include <cute/tensor.hpp>
 
+#include "kernels/common/backward_grid.h"
+#include "kernels/common/backward_scores.h"
 #include "kernels/common/bias_grad.h"
 #include "kernels/common/fragment_layouts.h"
+#include "kernels/common/gradient_stores.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
 #include "kernels/params.h"
@@ -25,50 +28,6 @@ __device__ __forceinline__ auto at_stage(const Tensor& t, int stage, int stage_e
   return cute::make_tensor(t.data() + stage * stage_elems, t.layout());
 }
 
-// Writes an accumulator (rows, D) to global memory in Element, times `factor`: pairs of
-// neighbouring columns as one 4-byte store, rows at or past `valid_rows` and columns at or past
-// `head_dim` skipped.
-template <typename Element, typename Acc, typename TensorC>
-__device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords, Element* base, std::int64_t row_stride,
-                                           int valid_rows, int head_dim, float factor) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); e += 2) {
-    const int row = get<0>(coords(e)), col = get<1>(coords(e));
-    if (row < valid_rows && col < head_dim) {
-      cutlass::NumericArrayConverter<Element, float, 2> convert;
-      cutlass::Array<float, 2> pair;
-      pair[0] = acc(e) * factor;
-      pair[1] = acc(e + 1) * factor;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(base + row * row_stride + col) = convert(pair);
-    }
-  }
-}
-
-// dq_accum += dQ of one query tile, by fire-and-forget reductions. This is also what makes
-// deterministic mode reproducible: there every CTA owns its dq slot and every element of it
-// belongs to one thread, and reductions by one thread to one address take effect in program
-// order, so each element's additions happen in the CTA's loop order.
-template <typename Acc, typename TensorC>
-__device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coords, float* rows, int row0, int seqlen_q,
-                                              int head_dim) {
-  using namespace cute;
-  constexpr int kElems = decltype(size(acc))::value;
-  auto in_bounds = [&](int e) { return row0 + get<0>(coords(e)) < seqlen_q && get<1>(coords(e)) < head_dim; };
-  auto address = [&](int e) { return rows + std::int64_t(row0 + get<0>(coords(e))) * head_dim + get<1>(coords(e)); };
-#if __CUDA_ARCH__ >= 900
-  // Elements e and e + 1 are neighbouring columns of one row (head_dim is even): one 8-byte
-  // vector reduction fills whole L2 sectors where two scalar ones would each fill half.
-  CUTE_UNROLL
-  for (int e = 0; e < kElems; e += 2)
-    if (in_bounds(e)) atomicAdd(reinterpret_cast<float2*>(address(e)), make_float2(acc(e), acc(e + 1)));
-#else
-  CUTE_UNROLL
-  for (int e = 0; e < kElems; ++e)
-    if (in_bounds(e)) atomicAdd(address(e), acc(e));
-#endif
-}
-
 template <typename Traits>
 __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block, int kv_h, int b,
                                                   int split) {
@@ -79,9 +38,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   constexpr int kStages = Traits::kStages;
   const ForwardParams& f = p.fwd;
   const int tid = threadIdx.x;
-  const int group = f.heads / f.kv_heads;
   const int n_begin = n_block * kBlockN;
-  const int m_tiles = (f.seqlen_q + kBlockM - 1) / kBlockM;
 
   // Shared memory: Q and dO (kStages each), K, V, P, dS, then the dbias reduction buffer.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -195,120 +152,62 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
   // With two stages, a query head's first tile loads into the stage its predecessor did not read last.
   int stage = 0;
-  for (int hi = 0; hi < group; ++hi) {
-    const int h = kv_h * group + hi;
-    const QueryTileClassifier<kBlockM, kBlockN> classifier(f, b, h, n_block);
-    const int m_first = classifier.first_m_block();
-    ActiveTileWalk walk;
-    auto next_active = [&](int m) {
-      const int next = walk.next_at_or_below(m, classifier);
-      return next >= m_first ? next : -1;
-    };
-    const float* lse_row = f.lse + b * f.lse_batch_stride + h * f.lse_head_stride;
-    const float* dsum_row = p.dsum + (std::int64_t(b) * f.heads + h) * f.seqlen_q;
-    float* dq_rows = p.dq_accum + ((std::int64_t(p.deterministic ? split : 0) * f.batch + b) * f.heads + h) *
-                                      std::int64_t(f.seqlen_q) * f.head_dim;
-
-    int m_block = next_active(m_tiles - 1);
-    int zero_top = m_tiles;  // query tiles at or above this one are done (for dbias zero-filling)
-    if (m_block >= 0) load_q_do(h, m_block, stage);
+  auto load_first = [&](int h, int m_block) CUTLASS_LAMBDA_FUNC_INLINE {
+    load_q_do(h, m_block, stage);
     cp_async_fence();
-
-    while (m_block >= 0) {
-      const bool elementwise = walk.needs_elementwise(m_block);
-      const int next = next_active(m_block - 1);
-      const int row0 = m_block * kBlockM;
-      dbias.zero_tiles(h, m_block + 1, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
-      zero_top = m_block;
-
-      // LSE (in base 2) and Δ of this thread's rows; rows past Sq get LSE = +inf, so P = 0.
-      float lse_log2[kRows], dsum[kRows];
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int i = row0 + get<0>(tScS_rc(r, 0));
-        lse_log2[r] = i < f.seqlen_q ? lse_row[i] * kLog2e : INFINITY;
-        dsum[r] = i < f.seqlen_q ? dsum_row[i] : 0.f;
-      }
-
-      cp_async_wait<0>();
-      __syncthreads();  // Q and dO (and K, V) have landed; every warp is done with the last tile's buffers
-      if constexpr (Traits::kStages == 2) {
-        if (next >= 0) load_q_do(h, next, stage ^ 1);
-        cp_async_fence();
-      }
-
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_smem_smem(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage, kQElems), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b,
-                     thr_sdp_a, thr_sdp_b);
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      gemm_smem_smem(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage, kQElems), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a,
-                     thr_sdp_b);
-
-      // z -> P = exp(z - LSE), dZ = P∘(dP - Δ) -> dBias, dS = dZ·dcap: P replaces S, dS replaces dP.
-      {
-        const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
-        Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-        Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
-        float dcap[kRows][kCols];  // softcap only: dZ -> dS once dbias has read dZ
-        policy.apply(acc_s, tScS, n_block, elementwise, [&](int r, int c, float z, float dcap_rc) {
-          const float prob = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
-          s(r, c) = prob;
-          dz(r, c) = prob * (dz(r, c) - dsum[r]);
-          dcap[r][c] = dcap_rc;
-        });
-        dbias.add_tile(dz, tScS_rc, h, row0, n_begin, f.seqlen_q, f.seqlen_k);
-        if (f.softcap > 0.f) {
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            CUTE_UNROLL
-            for (int c = 0; c < kCols; ++c) dz(r, c) *= dcap[r][c];
-          }
-        }
-      }
-      Tensor p_values = convert_fragment<Element>(acc_s);
-      Tensor ds_values = convert_fragment<Element>(acc_dp);
-      copy(copy_pds, thr_pds.retile_S(p_values), tPsP);
-      copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
-      __syncthreads();  // P and dS are in shared memory
-
-      gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
-                     thr_dkv_a, thr_dkv_b);
-
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      clear(acc_dq);
-      gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-      accumulate_dq(acc_dq, tdQcdQ, dq_rows, row0, f.seqlen_q, f.head_dim);
-
-      gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
-                     thr_dkv_a, thr_dkv_b);
-
-      if constexpr (Traits::kStages == 1) {
-        __syncthreads();  // every warp is done reading Q and dO
-        if (next >= 0) load_q_do(h, next, 0);
-        cp_async_fence();
-      } else {
-        stage ^= 1;
-      }
-      m_block = next;
-    }
-    dbias.zero_tiles(h, 0, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
-    // Column sums are complete once the last query head that reads this bias head is done.
-    if (hi + 1 == group || (h + 1) / p.dbias.head_divisor != h / p.dbias.head_divisor) {
-      dbias.flush_columns(tScS_rc, reduce, h, n_begin, f.seqlen_k);
-    }
-  }
-
-  // dK = scale·Σ dSᵀ·Q, dV = Σ Pᵀ·dO over every visited query tile of the group's heads.
-  cp_async_wait<0>();
-  auto kv_rows = [&](void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride) {
-    return static_cast<Element*>(base) + b * batch_stride + kv_h * head_stride + n_begin * row_stride;
   };
-  store_rows(acc_dk, tdKVcdKV, kv_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride), p.dk_row_stride,
-             f.seqlen_k - n_begin, f.head_dim, f.scale);
-  store_rows(acc_dv, tdKVcdKV, kv_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride), p.dv_row_stride,
-             f.seqlen_k - n_begin, f.head_dim, 1.f);
+  for_each_query_tile<kBlockM, kBlockN>(p, b, kv_h, n_block, dbias, tScS_rc, reduce, load_first,
+                                        [&](int h, int m_block, int next, bool elementwise) CUTLASS_LAMBDA_FUNC_INLINE {
+    const int row0 = m_block * kBlockM;
+    BackwardRowStats<kRows> stats;
+    stats.load(p, b, h, row0, tScS_rc);
+
+    cp_async_wait<0>();
+    __syncthreads();  // Q and dO (and K, V) have landed; every warp is done with the last tile's buffers
+    if constexpr (Traits::kStages == 2) {
+      if (next >= 0) load_q_do(h, next, stage ^ 1);
+      cp_async_fence();
+    }
+
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_smem_smem(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, stage, kQElems), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b,
+                   thr_sdp_a, thr_sdp_b);
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    gemm_smem_smem(acc_s, tSrQ, tSrK, at_stage(tSsQ, stage, kQElems), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a,
+                   thr_sdp_b);
+
+    // P = exp(z - LSE) replaces S, dS replaces dP; dBias reads dZ on the way.
+    score_gradients<kBlockM, kBlockN>(p, b, h, row0, n_block, elementwise, stats, acc_s, acc_dp, tScS, dbias);
+    Tensor p_values = convert_fragment<Element>(acc_s);
+    Tensor ds_values = convert_fragment<Element>(acc_dp);
+    copy(copy_pds, thr_pds.retile_S(p_values), tPsP);
+    copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
+    __syncthreads();  // P and dS are in shared memory
+
+    gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
+                   thr_dkv_a, thr_dkv_b);
+
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_dq);
+    gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+    accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+
+    gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
+                   thr_dkv_a, thr_dkv_b);
+
+    if constexpr (Traits::kStages == 1) {
+      __syncthreads();  // every warp is done reading Q and dO
+      if (next >= 0) load_q_do(h, next, 0);
+      cp_async_fence();
+    } else {
+      stage ^= 1;
+    }
+  });
+
+  cp_async_wait<0>();
+  store_dk_dv<Element>(p, b, kv_h, n_begin, acc_dk, acc_dv, tdKVcdKV);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

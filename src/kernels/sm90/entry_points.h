@@ -7,10 +7,14 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-// Whether this build includes the sm90a forward for `element` at head_dim's bucket.
+// Whether this build includes the sm90a forward (backward) for `element` at head_dim's bucket.
 bool has_forward(ElementType element, int head_dim);
+bool has_backward(ElementType element, int head_dim);
 
 // Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host.
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
+// The main backward kernel only, on the grid of sm90::backward_tile; the host runs the passes
+// around it (grad_passes.h).
+cudaError_t backward(const BackwardParams& params, cudaStream_t stream);
 
 }  // namespace flash_dmattn::kernels::sm90

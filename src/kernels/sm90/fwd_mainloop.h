@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 
 #include "kernels/common/forward_epilogue.h"
 #include "kernels/common/fragment_layouts.h"
@@ -20,14 +19,6 @@
 #include "kernels/sm90/wgmma.h"
 
 namespace flash_dmattn::kernels::sm90 {
-
-// Tiles written by cp.async become visible to every warp, and to the wgmma's reads of shared
-// memory (the async proxy), once each thread's copies landed, each thread fenced, and the CTA met.
-__device__ __forceinline__ void await_tiles() {
-  cute::cp_async_wait<0>();
-  cutlass::arch::fence_view_async_shared();
-  __syncthreads();
-}
 
 // The host runs this kernel without GQA packing (pack_group = 1): a CTA serves one query head.
 template <typename Traits>

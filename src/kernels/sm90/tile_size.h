@@ -1,4 +1,4 @@
-// Tile shape of the sm90a forward; plain C++ so that host code (planning split-KV, benchmarks
+// Tile shapes of the sm90a forward and backward; plain C++ so that host code (planning split-KV, benchmarks
 // counting visited tiles) can read it too.
 #pragma once
 
@@ -12,5 +12,15 @@ namespace flash_dmattn::kernels::sm90 {
 // 2.3 KB of spills per thread (ptxas, sm_90a), and at D = 64 196 bytes; block_n = 64 fits (255
 // registers, 20 bytes of spills at D = 128 with the bias and mask loads issued ahead of S).
 constexpr sm80::ForwardTile forward_tile(int /*head_dim*/) { return {128, 64, 8, 1}; }
+
+// The backward: a CTA owns block_n = 128 keys, 64 per warpgroup (a wgmma is 64 rows tall, and
+// dK = dSᵀ·Q and dV = Pᵀ·dO have the keys as rows), and walks query tiles of block_m = 64 rows.
+// A thread holds 64 x D / 128 accumulators each of dK and dV, and 64 x 64 / 128 each of S and dP.
+struct BackwardTile {
+  int block_m, block_n, warpgroups;
+  int ctas_per_sm;
+};
+
+constexpr BackwardTile backward_tile(int /*head_dim*/) { return {64, 128, 2, 1}; }
 
 }  // namespace flash_dmattn::kernels::sm90

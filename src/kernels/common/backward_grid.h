@@ -1,0 +1,92 @@
+// Where a backward CTA sits in its grid, for every kernel family: one CTA per (key tile, KV
+// head, batch), or in deterministic mode key_splits CTAs per (KV head, batch) that share out the
+// key tiles.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cutlass/detail/helper_macros.hpp>
+
+#include "kernels/common/mask_bias.h"
+#include "kernels/params.h"
+
+namespace flash_dmattn::kernels {
+
+// Calls tile(n_block, kv_head, batch, split) for every key tile of this CTA. Key tile 0 sees the
+// most query tiles under causal masking: the lowest indices start first. In deterministic mode
+// (gridDim.x < key tiles) CTA s takes one key tile of every group of gridDim.x, s-th from the
+// front in even groups and from the back in odd ones: under causal masking every CTA then gets
+// about the same number of query tiles (with a plain stride over 128 key tiles, CTA 0 of 16 had
+// 26% more than CTA 15, and the whole grid waited for it).
+template <int kBlockN, typename TileFn>
+__device__ __forceinline__ void for_each_key_tile(const BackwardParams& p, TileFn&& tile) {
+  const int key_tiles = (p.fwd.seqlen_k + kBlockN - 1) / kBlockN;
+  for (int group = 0; group * gridDim.x < key_tiles; ++group) {
+    const int n_block = group % 2 == 0 ? group * gridDim.x + blockIdx.x : (group + 1) * gridDim.x - 1 - blockIdx.x;
+    if (n_block < key_tiles) tile(n_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x));
+  }
+}
+
+// For every query head h of KV head kv_h, in turn: calls load(h, m_block) for the first query
+// tile of h that has a row seeing a key of key tile n_block, then tile(h, m_block, next,
+// elementwise) for each such tile in descending order (next: the one after it, or -1), so that
+// tile() can load next behind its math. dBias elements of query tiles the walk skips are zeroed
+// (a dBias written directly owns them), and the per-key dBias sums are flushed once the last
+// query head that reads their bias head is done (coords_rc and reduce as BiasGradTile takes them).
+template <int kBlockM, int kBlockN, typename DBias, typename CoordsRC, typename Load, typename Tile>
+__device__ __forceinline__ void for_each_query_tile(const BackwardParams& p, int b, int kv_h, int n_block, DBias& dbias,
+                                                    const CoordsRC& coords_rc, float* reduce, Load&& load, Tile&& tile) {
+  const ForwardParams& f = p.fwd;
+  const int group = f.heads / f.kv_heads;
+  const int n_begin = n_block * kBlockN;
+  const int m_tiles = (f.seqlen_q + kBlockM - 1) / kBlockM;
+  for (int hi = 0; hi < group; ++hi) {
+    const int h = kv_h * group + hi;
+    const QueryTileClassifier<kBlockM, kBlockN> classifier(f, b, h, n_block);
+    const int m_first = classifier.first_m_block();
+    ActiveTileWalk walk;
+    auto next_active = [&](int m) {
+      const int next = walk.next_at_or_below(m, classifier);
+      return next >= m_first ? next : -1;
+    };
+    int m_block = next_active(m_tiles - 1);
+    int zero_top = m_tiles;  // query tiles at or above this one are done (for dbias zero-filling)
+    if (m_block >= 0) load(h, m_block);
+    while (m_block >= 0) {
+      const bool elementwise = walk.needs_elementwise(m_block);
+      const int next = next_active(m_block - 1);
+      dbias.zero_tiles(h, m_block + 1, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
+      zero_top = m_block;
+      tile(h, m_block, next, elementwise);
+      m_block = next;
+    }
+    dbias.zero_tiles(h, 0, zero_top, n_begin, f.seqlen_q, f.seqlen_k);
+    if (hi + 1 == group || (h + 1) / p.dbias.head_divisor != h / p.dbias.head_divisor) {
+      dbias.flush_columns(coords_rc, reduce, h, n_begin, f.seqlen_k);
+    }
+  }
+}
+
+// The fp32 dQ accumulator rows of query head h: slot 0, or in deterministic mode the CTA's own.
+__device__ __forceinline__ float* dq_accum_rows(const BackwardParams& p, int b, int h, int split) {
+  const ForwardParams& f = p.fwd;
+  return p.dq_accum + ((std::int64_t(p.deterministic ? split : 0) * f.batch + b) * f.heads + h) *
+                          std::int64_t(f.seqlen_q) * f.head_dim;
+}
+
+// Launches a backward kernel of Traits over that grid on `stream`, with the dynamic shared
+// memory its tiles take (above 48 KB only after raising the kernel's limit).
+template <typename Traits>
+cudaError_t launch_backward(void (*kernel)(BackwardParams), const BackwardParams& p, cudaStream_t stream) {
+  constexpr int kSmem = Traits::kSmemBytes;
+  if constexpr (kSmem >= 48 * 1024) {
+    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (status != cudaSuccess) return status;
+  }
+  const int key_tiles = (p.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  if (key_tiles == 0) return cudaSuccess;
+  const dim3 grid(p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flash_dmattn::kernels

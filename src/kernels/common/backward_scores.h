@@ -1,0 +1,121 @@
+// The element-wise middle of a backward (query tile, key tile) pair, shared by the kernel
+// families: from S = Q·Kᵀ and dP = dO·Vᵀ in the accumulators to P = exp(z - LSE) in S's registers
+// and dS in dP's, adding dZ = P∘(dP - Δ) to dBias on the way:
+//   z = softcap(scale·S) + bias, -inf where hidden;  dZ = P∘(dP - Δ);  dS = dZ·(1 - tanh²).
+// In one pass over the elements when S and dP are both at hand (score_gradients), or in two
+// steps, so that a main loop may compute dP after P (probabilities, then score_gradients_from_p).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common/bias_grad.h"
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/common/mask_bias.h"
+#include "kernels/common/softmax.h"
+#include "kernels/params.h"
+
+namespace flash_dmattn::kernels {
+
+// LSE (in base 2) and Δ = rowsum(dO∘O) of the query rows a thread holds; rows past Sq get
+// LSE = +inf, so their P is 0. Loaded before the GEMMs that need them, to hide the latency.
+template <int kRows>
+struct BackwardRowStats {
+  float lse_log2[kRows], dsum[kRows];
+
+  template <typename CoordsRC>
+  __device__ __forceinline__ void load(const BackwardParams& p, int b, int h, int row0, const CoordsRC& coords_rc) {
+    const ForwardParams& f = p.fwd;
+    const float* lse_row = f.lse + b * f.lse_batch_stride + h * f.lse_head_stride;
+    const float* dsum_row = p.dsum + (std::int64_t(b) * f.heads + h) * f.seqlen_q;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + cute::get<0>(coords_rc(r, 0));
+      lse_log2[r] = i < f.seqlen_q ? lse_row[i] * kLog2e : INFINITY;
+      dsum[r] = i < f.seqlen_q ? dsum_row[i] : 0.f;
+    }
+  }
+};
+
+// Under softcap, dz/d(scale·S) / scale = 1 - tanh² per element: found with z, used for dS.
+template <int kRows, int kCols>
+struct SoftcapGrads {
+  float dcap[kRows][kCols];
+};
+
+// dZ -> dBias, then dS = dZ·dcap in dZ's registers.
+template <int kBlockN, int kRows, int kCols, typename TensorZ, typename CoordsRC, typename DBias>
+__device__ __forceinline__ void finish_score_gradients(const BackwardParams& p, int h, int row0, int n_block, TensorZ& dz,
+                                                       const CoordsRC& coords_rc, const SoftcapGrads<kRows, kCols>& cap,
+                                                       DBias& dbias) {
+  const ForwardParams& f = p.fwd;
+  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, f.seqlen_q, f.seqlen_k);
+  if (f.softcap > 0.f) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) dz(r, c) *= cap.dcap[r][c];
+    }
+  }
+}
+
+// acc_s, acc_dp: S and dP of query tile row0 / kBlockM and key tile n_block for query head h,
+// replaced by P and dS; coords: the (row, col) in the tile of every accumulator element this
+// thread holds. dZ is formed as each P is, so no second fragment stays live.
+template <int kBlockM, int kBlockN, int kRows, typename AccS, typename Coords, typename DBias>
+__device__ __forceinline__ void score_gradients(const BackwardParams& p, int b, int h, int row0, int n_block,
+                                                bool elementwise, const BackwardRowStats<kRows>& stats, AccS& acc_s,
+                                                AccS& acc_dp, const Coords& coords, DBias& dbias) {
+  using namespace cute;
+  const ForwardParams& f = p.fwd;
+  Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+  constexpr int kCols = decltype(size<1>(coords_rc))::value;
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, coords);
+  Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+  Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+  SoftcapGrads<kRows, kCols> cap;
+  policy.apply(acc_s, coords, n_block, elementwise, [&](int r, int c, float z, float dcap) {
+    const float prob = exp2f(fmaf(z, kLog2e, -stats.lse_log2[r]));
+    s(r, c) = prob;
+    dz(r, c) = prob * (dz(r, c) - stats.dsum[r]);
+    cap.dcap[r][c] = dcap;
+  });
+  finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
+}
+
+// The first of the two steps. acc_s: S of query tile row0 / kBlockM and key tile n_block for query head h, replaced by P;
+// replaced by P.
+template <int kBlockM, int kBlockN, int kRows, int kCols, typename AccS, typename Coords>
+__device__ __forceinline__ void probabilities(const BackwardParams& p, int b, int h, int row0, int n_block,
+                                              bool elementwise, const BackwardRowStats<kRows>& stats, AccS& acc_s,
+                                              const Coords& coords, SoftcapGrads<kRows, kCols>& cap) {
+  using namespace cute;
+  const ForwardParams& f = p.fwd;
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, coords);
+  Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+  policy.apply(acc_s, coords, n_block, elementwise, [&](int r, int c, float z, float dcap) {
+    s(r, c) = exp2f(fmaf(z, kLog2e, -stats.lse_log2[r]));
+    if (f.softcap > 0.f) cap.dcap[r][c] = dcap;
+  });
+}
+
+// acc_p: P from probabilities(); acc_dp: dP of the same tile, replaced by dS once dBias has read dZ.
+template <int kBlockN, int kRows, int kCols, typename AccS, typename Coords, typename DBias>
+__device__ __forceinline__ void score_gradients_from_p(const BackwardParams& p, int h, int row0, int n_block,
+                                                       const BackwardRowStats<kRows>& stats, const AccS& acc_p,
+                                                       AccS& acc_dp, const Coords& coords,
+                                                       const SoftcapGrads<kRows, kCols>& cap, DBias& dbias) {
+  using namespace cute;
+  Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+  Tensor prob = make_tensor(acc_p.data(), accumulator_as_rows_cols(acc_p.layout()));
+  Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) dz(r, c) = prob(r, c) * (dz(r, c) - stats.dsum[r]);
+  }
+  finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
+}
+
+}  // namespace flash_dmattn::kernels

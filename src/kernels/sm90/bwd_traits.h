@@ -1,0 +1,92 @@
+// Tile shapes, shared-memory layouts and MMA/copy atoms of the sm90a (wgmma) backward.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/common/tile_copy.h"
+#include "kernels/sm90/smem_atom.h"
+#include "kernels/sm90/tile_size.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+template <typename Element_, int kHeadDim_>
+struct BackwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr BackwardTile kTile = backward_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarpgroups = kTile.warpgroups;
+  static constexpr int kNThreads = kWarpgroups * 128;
+  static constexpr int kStages = 2;     // Q and dO of the next query tile load while this one computes
+  static constexpr int kSdpWarpsM = 4;  // warps along the query rows of S: the four of a warpgroup
+  static_assert(kBlockM == 64 && kBlockN == 64 * kWarpgroups, "a warpgroup per 64 keys, 64 query rows");
+
+  using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>;
+  using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kWarpgroups>, cute::_1>>;
+  // S = Q·Kᵀ and dP = dO·Vᵀ, (queries, keys) over D: warpgroup w takes keys 64w..64w+63.
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN / kWarpgroups>, cute::Int<kHeadDim>>>(),
+      WarpgroupsAlongN{}));
+  // dV += Pᵀ·dO and dK += dSᵀ·Q, (keys, D) over queries: warpgroup w owns keys 64w..64w+63. Both
+  // operands are read transposed from shared memory (MN-major).
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockN / kWarpgroups>, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+  // dQ = dS·K, (queries, D) over keys: warpgroup w takes head-dim columns [w·D/2, (w+1)·D/2); K
+  // is read transposed (MN-major).
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kWarpgroups>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpgroupsAlongN{}));
+
+  // Q and dO: (kBlockM, D, stage), the K-major A operands of S and dP; the same bytes viewed as
+  // (D, kBlockM, stage) are the MN-major B operands of dK and dV.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
+                                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+                                       cute::make_stride(cute::Int<kBlockM>{}, cute::_1{}, cute::Int<kBlockM * kHeadDim>{}))));
+  // K: (kBlockN, D), the K-major B operand of S; viewed as (D, kBlockN), the MN-major B operand
+  // of dQ, of which each warpgroup reads half the head dim: the swizzle atom is at most D/2 wide,
+  // so that each half starts on an atom.
+  using SmemLayoutK = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim / kWarpgroups, cute::GMMA::Major::K>(),
+                                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                       cute::make_stride(cute::Int<kBlockN>{}, cute::_1{}))));
+  using SmemLayoutV = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
+                                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // P and dS: stored as (kBlockN, kBlockM), the MN-major A operands of dV and dK (each
+  // warpgroup reads its 64 keys); viewed as (kBlockM, kBlockN), what the softmax writes and
+  // dS's K-major A operand of dQ.
+  using SmemLayoutPdSt = decltype(cute::tile_to_shape(smem_atom<Element, kBlockN / kWarpgroups, cute::GMMA::Major::MN>(),
+                                                      cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
+  using SmemLayoutPdS = decltype(cute::composition(
+      SmemLayoutPdSt{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{},
+                                          cute::make_stride(cute::Int<kBlockN>{}, cute::_1{}))));
+
+  // P and dS go to shared memory by stmatrix: four 8 x 8 blocks per instruction.
+  using SmemCopyAtomPdS = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
+  // Global -> shared: 16-byte vectors across rows of up to 64 elements.
+  static constexpr int kGmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
+  using GmemTiledCopy = typename GmemRowCopies<Element, kNThreads, kGmemRowElems>::Async;
+
+  static constexpr int kQElems = static_cast<int>(cute::cosize(SmemLayoutQ{}));  // both stages
+  static constexpr int kKElems = static_cast<int>(cute::cosize(SmemLayoutK{}));
+  static constexpr int kVElems = static_cast<int>(cute::cosize(SmemLayoutV{}));
+  static constexpr int kPdSElems = static_cast<int>(cute::cosize(SmemLayoutPdSt{}));
+  // The CTA-wide reduction of dbias column sums: one float per (key, warp row).
+  static constexpr int kReduceFloats = kBlockN * kSdpWarpsM;
+  static constexpr int kSmemBytes =
+      static_cast<int>((2 * kQElems + kKElems + kVElems + 2 * kPdSElems) * sizeof(Element)) +
+      kReduceFloats * static_cast<int>(sizeof(float));
+};
+
+}  // namespace flash_dmattn::kernels::sm90
