@@ -7,6 +7,7 @@
 #include <cutlass/detail/helper_macros.hpp>
 
 #include "kernels/common/mask_bias.h"
+#include "kernels/common/launch.h"
 #include "kernels/params.h"
 
 namespace flash_dmattn::kernels {
@@ -74,14 +75,12 @@ __device__ __forceinline__ float* dq_accum_rows(const BackwardParams& p, int b, 
 }
 
 // Launches a backward kernel of Traits over that grid on `stream`, with the dynamic shared
-// memory its tiles take (above 48 KB only after raising the kernel's limit).
+// memory its tiles take.
 template <typename Traits>
 cudaError_t launch_backward(void (*kernel)(BackwardParams), const BackwardParams& p, cudaStream_t stream) {
   constexpr int kSmem = Traits::kSmemBytes;
-  if constexpr (kSmem >= 48 * 1024) {
-    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (status != cudaSuccess) return status;
-  }
+  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
   const int key_tiles = (p.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (key_tiles == 0) return cudaSuccess;
   const dim3 grid(p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch);

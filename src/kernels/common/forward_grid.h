@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/common/launch.h"
 #include "kernels/params.h"
 
 namespace flash_dmattn::kernels {
@@ -25,14 +26,12 @@ inline dim3 forward_grid(const ForwardParams& p, int block_m) {
 }
 
 // Launches a forward kernel of Traits over that grid on `stream`, with the dynamic shared memory
-// its tiles take (above 48 KB only after raising the kernel's limit).
+// its tiles take.
 template <typename Traits>
 cudaError_t launch_forward(void (*kernel)(ForwardParams), const ForwardParams& p, cudaStream_t stream) {
   constexpr int kSmem = Traits::kSmemBytes;
-  if constexpr (kSmem >= 48 * 1024) {
-    const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (status != cudaSuccess) return status;
-  }
+  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
   kernel<<<forward_grid(p, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

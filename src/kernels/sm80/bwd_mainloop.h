@@ -10,6 +10,7 @@
 #include <cute/tensor.hpp>
 
 #include "kernels/common/backward_grid.h"
+#include "kernels/common/backward_loads.h"
 #include "kernels/common/backward_scores.h"
 #include "kernels/common/bias_grad.h"
 #include "kernels/common/fragment_layouts.h"
@@ -61,20 +62,9 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor tdOsdO = gmem_thr.partition_D(sdO);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  auto head_rows = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride,
-                       int head, int rows) {
-    const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + head * head_stride;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(rows, f.head_dim), make_stride(row_stride, _1{}));
-  };
   auto load_q_do = [&](int head, int m_block, int stage) {
-    const auto tile = Shape<Int<kBlockM>, Int<kHeadDim>>{};
-    Tensor gQ = local_tile(head_rows(f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride, head, f.seqlen_q), tile,
-                           make_coord(m_block, 0));
-    Tensor gdO = local_tile(head_rows(p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, head, f.seqlen_q),
-                            tile, make_coord(m_block, 0));
-    const int valid = f.seqlen_q - m_block * kBlockM;
-    copy_rows_async(gmem_copy, gmem_thr.partition_S(gQ), at_stage(tQsQ, stage, kQElems), tQcQ, valid, f.head_dim);
-    copy_rows_async(gmem_copy, gmem_thr.partition_S(gdO), at_stage(tdOsdO, stage, kQElems), tQcQ, valid, f.head_dim);
+    copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, head, m_block, gmem_copy, gmem_thr,
+                                                 at_stage(tQsQ, stage, kQElems), at_stage(tdOsdO, stage, kQElems), tQcQ);
   };
 
   // The three GEMMs' fragments and the shared -> register copies that feed them.
@@ -138,17 +128,8 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
-  {
-    const auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-    Tensor gK = local_tile(head_rows(f.k, f.k_batch_stride, f.k_head_stride, f.k_row_stride, kv_h, f.seqlen_k), tile,
-                           make_coord(n_block, 0));
-    Tensor gV = local_tile(head_rows(f.v, f.v_batch_stride, f.v_head_stride, f.v_row_stride, kv_h, f.seqlen_k), tile,
-                           make_coord(n_block, 0));
-    copy_rows_async(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, f.seqlen_k - n_begin,
-                    f.head_dim);
-    copy_rows_async(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, f.seqlen_k - n_begin,
-                    f.head_dim);
-  }
+  copy_k_v_async<Element, kBlockN, kHeadDim>(p, b, kv_h, n_block, gmem_copy, gmem_thr, gmem_thr.partition_D(sK),
+                                             gmem_thr.partition_D(sV), tKVcKV);
 
   // With two stages, a query head's first tile loads into the stage its predecessor did not read last.
   int stage = 0;
