@@ -61,12 +61,12 @@ fi
 
 san="skipped"
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
-  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*}"
+  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:BackwardRuntime.*:BackwardLayouts.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*}"
   san="memcheck:"
-  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
   san+=" racecheck:"
-  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool racecheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="$filter" > "$OUT/racecheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
   tail -n 3 "$OUT/memcheck.log" "$OUT/racecheck.log"
 fi

@@ -31,6 +31,12 @@ struct BackwardTraits {
   using TiledMmaSdP = WarpGridMma<kTile.sdp_warps_m>;  // S = Q·Kᵀ and dP = dO·Vᵀ: (kBlockM, kBlockN)
   using TiledMmadKV = WarpGridMma<kTile.dkv_warps_n>;  // dV = Pᵀ·dO and dK = dSᵀ·Q: (kBlockN, D)
   using TiledMmadQ = WarpGridMma<kTile.dq_warps_m>;    // dQ = dS·K: (kBlockM, D)
+  static_assert(kBlockM % (16 * kTile.sdp_warps_m) == 0 && kBlockN % (16 * (kNWarps / kTile.sdp_warps_m)) == 0,
+                "the S/dP warp grid tiles (kBlockM, kBlockN) exactly");
+  static_assert(kBlockN % (16 * kTile.dkv_warps_n) == 0 && kHeadDim % (16 * (kNWarps / kTile.dkv_warps_n)) == 0,
+                "the dK/dV warp grid tiles (kBlockN, D) exactly");
+  static_assert(kBlockM % (16 * kTile.dq_warps_m) == 0 && kHeadDim % (16 * (kNWarps / kTile.dq_warps_m)) == 0,
+                "the dQ warp grid tiles (kBlockM, D) exactly");
   static constexpr int kSdpWarpsM = kTile.sdp_warps_m;
   static constexpr int kSdpWarpsN = kNWarps / kSdpWarpsM;
 

@@ -41,8 +41,12 @@ struct BackwardTile {
   bool double_buffer;  // Q and dO of the next query tile load while the current one computes
 };
 
+// Every GEMM's warp grid must tile its output exactly: a column tile that overhangs D would make
+// the MMA read (and racecheck flag) shared memory past the operand's end. D = 96 therefore gives
+// dK/dV a 4 x 2 grid (32-column steps) where D = 128 uses 2 x 4 (64-column steps).
 constexpr BackwardTile backward_tile(int head_dim) {
   if (head_dim <= 64) return {64, 128, 8, 2, 4, 4, 1, true};
+  if (head_dim <= 96) return {64, 64, 8, 4, 4, 4, 1, true};
   if (head_dim <= 128) return {64, 64, 8, 4, 2, 4, 1, true};
   return {64, 64, 8, 4, 2, 4, 1, false};
 }
