@@ -4,6 +4,7 @@
 #pragma once
 
 #include "flash_dmattn/attention.h"
+#include "kernels/params.h"
 #include "problem.h"
 
 namespace flash_dmattn {
@@ -11,8 +12,8 @@ namespace flash_dmattn {
 Status validate_forward(const ForwardArgs& args, Problem* problem);
 Status validate_backward(const BackwardArgs& args, Problem* problem);
 
-// Head dims every backend runs: multiples of 8 up to 256 (the Python front pads other sizes).
-inline constexpr std::int64_t kMaxHeadDim = 256;
-inline constexpr std::int64_t kHeadDimMultiple = 8;
+// Head dims every backend runs (the Python front pads other sizes).
+using kernels::kHeadDimMultiple;
+using kernels::kMaxHeadDim;
 
 }  // namespace flash_dmattn

@@ -33,6 +33,10 @@ struct TileSummary {
   int bits_row_words = 0;  // words per mask row
 };
 
+// Head dims every kernel runs: multiples of 8 up to 256 (validation holds calls to this).
+inline constexpr int kMaxHeadDim = 256;
+inline constexpr int kHeadDimMultiple = 8;
+
 inline constexpr int kSummaryBlock = 64;
 inline constexpr std::uint8_t kTileHasVisible = 1;
 inline constexpr std::uint8_t kTileHasHidden = 2;
