@@ -52,7 +52,9 @@ Status prepare(const char* call, const Args& args, Validator<Args> validate, Bac
                Problem* problem, const BackendImpl** backend) {
   Status status = validate(args, problem);
   if (!status.ok()) return status;
-  return select_backend(call, *problem, args.options.backend, pass, backend);
+  status = select_backend(call, *problem, args.options.backend, pass, backend);
+  if (!status.ok()) return status;
+  return (*backend)->check_settings(*problem, pass);
 }
 
 constexpr auto kForward = BackendImpl::Pass::forward;

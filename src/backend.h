@@ -24,6 +24,9 @@ class BackendImpl {
   // Compute capability the problem's device would run at (0 for the CPU).
   virtual int arch(const Problem& problem) const = 0;
   virtual std::string describe(const Problem& problem) const = 0;
+  // An environment setting this backend reads that it cannot honour for the problem (an error
+  // naming it), reported before workspace sizes, which may depend on the setting, are computed.
+  virtual Status check_settings(const Problem& /*problem*/, Pass /*pass*/) const { return Status::success(); }
 
   virtual std::size_t forward_workspace_size(const ForwardArgs& args, const Problem& problem) const = 0;
   virtual std::size_t backward_workspace_size(const BackwardArgs& args, const Problem& problem) const = 0;

@@ -343,6 +343,12 @@ class CudaSm80Backend final : public BackendImpl {
  public:
   Backend id() const override { return Backend::cuda_sm80; }
 
+  Status check_settings(const Problem& p, Pass pass) const override {
+    std::string error;
+    choose_family(p, arch_of(p.device.index), pass, error);
+    return error.empty() ? Status::success() : Status::error(StatusCode::invalid_argument, error);
+  }
+
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
     const int arch = arch_of(p.device.index);

@@ -55,6 +55,80 @@ __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coo
 #endif
 }
 
+// True where the bulk-asynchronous copy unit exists (sm_90 and newer): cp.reduce.async.bulk.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+inline constexpr bool kHasBulkReductions = true;
+#else
+inline constexpr bool kHasBulkReductions = false;
+#endif
+
+// dq_accum += dQ of one query tile by bulk reductions in L2: the CTA stages dQ in shared memory,
+// and thread r hands row r (head_dim floats, contiguous in the accumulator) to the bulk-copy
+// unit. Staged rows are kDqStagingPad floats apart so that the accumulator fragments' stores
+// do not conflict on banks. Measured on an H200 (sm80 backward, D = 128 dense-equivalent with
+// dbias): per-element reductions 9.25 ms (7.00 with the dQ reductions left out, so they cost a
+// quarter), this 8.65 ms; one bulk reduction of the whole tile from unpadded rows (8-way bank
+// conflicts on staging, one issuing thread) was slower than either, 9.50 ms.
+// The protocol, around the main loop's barriers:
+//   stage()                 every thread, once its tile's dQ is in registers
+//   (barrier) issue()       the staged rows go out; the staging buffer stays busy until...
+//   await_staging_read()    ...this, before the barrier after which stage() may write again
+//   (barrier) drain()       at the end: every reduction has completed
+// Reductions from one CTA that complete before the next key tile starts keep deterministic mode
+// bitwise reproducible: its slot's elements still receive their additions in loop order.
+inline constexpr int kDqStagingPad = 8;
+
+template <int kTileRows, int kHeadDim>
+class StagedDqReduction {
+ public:
+  static constexpr int kRowStride = kHeadDim + kDqStagingPad;
+  static constexpr int kFloats = kTileRows * kRowStride;
+
+  __device__ __forceinline__ explicit StagedDqReduction(float* staging) : staging_(staging) {}
+
+  // acc: the (kTileRows, kHeadDim) dQ accumulator, coords its elements' (row, col) in the tile;
+  // rows: the accumulator rows of the tile's head.
+  template <typename Acc, typename TensorC>
+  __device__ __forceinline__ void stage(const Acc& acc, const TensorC& coords, float* rows, int row0, int seqlen_q,
+                                        int head_dim) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2) {
+      const int row = get<0>(coords(e)), col = get<1>(coords(e));
+      *reinterpret_cast<float2*>(staging_ + row * kRowStride + col) = make_float2(acc(e), acc(e + 1));
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the bulk-copy unit
+    const int r = threadIdx.x;
+    pending_bytes_ = r < kTileRows && row0 + r < seqlen_q ? head_dim * static_cast<int>(sizeof(float)) : 0;
+    pending_ = rows + std::int64_t(row0 + r) * head_dim;
+  }
+
+  __device__ __forceinline__ void issue() {
+    if (pending_bytes_ > 0) {
+      const auto src = static_cast<std::uint32_t>(__cvta_generic_to_shared(staging_ + threadIdx.x * kRowStride));
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                   :
+                   : "l"(pending_), "r"(src), "r"(pending_bytes_)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    pending_bytes_ = 0;
+  }
+
+  __device__ __forceinline__ void await_staging_read() const {
+    if (threadIdx.x < kTileRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+
+  __device__ __forceinline__ void drain() const {
+    if (threadIdx.x < kTileRows) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+
+ private:
+  float* staging_;
+  float* pending_ = nullptr;
+  int pending_bytes_ = 0;
+};
+
 // dK = scale·Σ dSᵀ·Q and dV = Σ Pᵀ·dO of key tile n_block, summed over every query tile of the
 // GQA group's heads: written once, in Element.
 template <typename Element, typename Acc, typename TensorC>

@@ -41,7 +41,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   const int tid = threadIdx.x;
   const int n_begin = n_block * kBlockN;
 
-  // Shared memory: Q and dO (kStages each), K, V, P, dS, then the dbias reduction buffer.
+  // Shared memory: Q and dO (kStages each), K, V, P, dS, the dbias reduction buffer, dQ staging.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(sQ.data() + kStages * kQElems, typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(sdO.data() + kStages * kQElems, typename Traits::SmemLayoutKV{});
@@ -49,6 +49,8 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor sP = make_tensor(sV.data() + kKVElems, typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
+  constexpr bool kBulkDq = Traits::kStagedDq && kHasBulkReductions;
+  StagedDqReduction<kBlockM, kHeadDim> staged_dq(reduce + Traits::kReduceFloats);
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
@@ -145,6 +147,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
     cp_async_wait<0>();
     __syncthreads();  // Q and dO (and K, V) have landed; every warp is done with the last tile's buffers
+    if constexpr (kBulkDq) staged_dq.issue();  // the last tile's dQ, staged before this barrier
     if constexpr (Traits::kStages == 2) {
       if (next >= 0) load_q_do(h, next, stage ^ 1);
       cp_async_fence();
@@ -165,7 +168,8 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
     Tensor ds_values = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_pds.retile_S(p_values), tPsP);
     copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
-    __syncthreads();  // P and dS are in shared memory
+    if constexpr (kBulkDq) staged_dq.await_staging_read();
+    __syncthreads();  // P and dS are in shared memory (and the dQ staging buffer is free)
 
     gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
                    thr_dkv_a, thr_dkv_b);
@@ -173,7 +177,11 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_dq);
     gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-    accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+    if constexpr (kBulkDq) {
+      staged_dq.stage(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+    } else {
+      accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+    }
 
     gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, stage, kQElems), mma_dkv, copy_dkv_a, copy_dkv_b,
                    thr_dkv_a, thr_dkv_b);
@@ -188,6 +196,11 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   });
 
   cp_async_wait<0>();
+  if constexpr (kBulkDq) {
+    __syncthreads();  // the last tile's dQ is staged
+    staged_dq.issue();
+    staged_dq.drain();
+  }
   store_dk_dv<Element>(p, b, kv_h, n_begin, acc_dk, acc_dv, tdKVcdKV);
 }
 
