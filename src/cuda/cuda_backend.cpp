@@ -114,7 +114,6 @@ constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
 // the GPU (decode), and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
 struct ForwardPlan {
   KernelFamily family = KernelFamily::sm80;
-  std::string error;  // a FLASH_DMATTN_KERNELS value that cannot be honoured
   int pack_group = 1;
   int num_splits = 1;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0;
@@ -149,18 +148,22 @@ std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pa
   return std::nullopt;
 }
 
-KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string& error) {
+// A value it cannot honour sets *error (check_settings reports it before any plan is made; the
+// plans pass no error and get the family the fallback picks).
+KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* error = nullptr) {
   const char* value = std::getenv(kKernelsVariable);
   const std::string mode = value && *value ? value : "auto";
   if (mode == "sm80") return KernelFamily::sm80;
   if (mode != "auto" && mode != "sm90a") {
-    error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
+    if (error) {
+      *error = std::string("flash_dmattn: ") + kKernelsVariable + " must be auto, sm80 or sm90a, got '" + mode + "'";
+    }
     return KernelFamily::sm80;
   }
   const auto unavailable = sm90a_unavailable(p, arch, pass);
   if (!unavailable) return KernelFamily::sm90a;
-  if (mode == "sm90a") {
-    error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a " +
+  if (mode == "sm90a" && error) {
+    *error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a " +
             (pass == Pass::forward ? "forward " : "backward ") + *unavailable;
   }
   return KernelFamily::sm80;
@@ -174,7 +177,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t group = p.group_size();
   const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
-  plan.family = choose_family(p, arch, Pass::forward, plan.error);
+  plan.family = choose_family(p, arch, Pass::forward);
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at one wave.
   // Measured on an H200 (decode B1 H32 Hk8 Sk131072 D128, 8 packed CTAs before splitting): one
@@ -203,7 +206,6 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
 // follows: [tile summary][Δ][dq accumulators][dbias accumulators].
 struct BackwardPlan {
   KernelFamily family = KernelFamily::sm80;
-  std::string error;  // a FLASH_DMATTN_KERNELS value that cannot be honoured
   int key_tiles = 0;
   int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
   int dq_slots = 1;
@@ -217,7 +219,7 @@ struct BackwardPlan {
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
-  plan.family = choose_family(p, arch, Pass::backward, plan.error);
+  plan.family = choose_family(p, arch, Pass::backward);
   const int head_dim = static_cast<int>(p.head_dim);
   const int block_n = plan.family == KernelFamily::sm90a ? kernels::sm90::backward_tile(head_dim).block_n
                                                           : kernels::sm80::backward_tile(head_dim).block_n;
@@ -345,7 +347,7 @@ class CudaSm80Backend final : public BackendImpl {
 
   Status check_settings(const Problem& p, Pass pass) const override {
     std::string error;
-    choose_family(p, arch_of(p.device.index), pass, error);
+    choose_family(p, arch_of(p.device.index), pass, &error);
     return error.empty() ? Status::success() : Status::error(StatusCode::invalid_argument, error);
   }
 
@@ -387,9 +389,9 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::string describe(const Problem& p) const override {
     const int arch = arch_of(p.device.index);
-    std::string families = "mma.sync kernels", ignored;
-    const bool forward = choose_family(p, arch, Pass::forward, ignored) == KernelFamily::sm90a;
-    const bool backward = choose_family(p, arch, Pass::backward, ignored) == KernelFamily::sm90a;
+    std::string families = "mma.sync kernels";
+    const bool forward = choose_family(p, arch, Pass::forward) == KernelFamily::sm90a;
+    const bool backward = choose_family(p, arch, Pass::backward) == KernelFamily::sm90a;
     if (forward || backward) {
       families += std::string(", wgmma (sm90a) ") + (forward && backward ? "forward and backward" : forward ? "forward" : "backward");
     }
@@ -410,7 +412,6 @@ class CudaSm80Backend final : public BackendImpl {
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
     kernels::ForwardParams params = forward_params(a, p);
     const ForwardPlan plan = plan_forward(a, p, arch_of(p.device.index));
-    if (!plan.error.empty()) return Status::error(StatusCode::invalid_argument, plan.error);
     char* workspace = static_cast<char*>(a.workspace.data);
     params.pack_group = plan.pack_group;
     params.num_splits = plan.num_splits;
@@ -438,7 +439,6 @@ class CudaSm80Backend final : public BackendImpl {
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
     const BackwardPlan plan = plan_backward(a, p, arch_of(p.device.index));
-    if (!plan.error.empty()) return Status::error(StatusCode::invalid_argument, plan.error);
     kernels::BackwardParams params = backward_params(a, p, plan);
     char* workspace = static_cast<char*>(a.workspace.data);
     std::size_t offset = align_up(plan.summary_bytes);
