@@ -13,18 +13,27 @@
 
 namespace flash_dmattn::kernels {
 
+// The threads that hold a tile's output and write it: every thread of the CTA, unless a kernel
+// has threads that only load (then it passes its own index and barrier over the others).
+struct AllCtaThreads {
+  __device__ __forceinline__ int index() const { return threadIdx.x; }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+
 // acc_o: the output accumulator of this thread, normalized here by the softmax's denominators;
 // tOcO: its (row, col) in the tile.
 // Traits name the element type and how O goes out: through shared memory (SmemLayoutO over
 // `smem`, which the caller has made free: every copy into it landed and every warp done reading
 // it) and then as 16-byte row vectors (GmemTiledCopyO), each to its packed row's address.
-template <typename Traits, typename TiledMma, typename AccO, typename CoordsO, int kRows>
+template <typename Traits, typename TiledMma, typename AccO, typename CoordsO, int kRows,
+          typename Threads = AllCtaThreads>
 __device__ __forceinline__ void write_forward_output(const ForwardParams& p, char* smem, const TiledMma& tiled_mma,
                                                      AccO& acc_o, const CoordsO& tOcO, OnlineSoftmax<kRows>& softmax,
-                                                     const RowMap& rows, int row0, int b, int split) {
+                                                     const RowMap& rows, int row0, int b, int split,
+                                                     Threads threads = {}) {
   using namespace cute;
   using Element = typename Traits::Element;
-  const int tid = threadIdx.x;
+  const int tid = threads.index();
   Tensor tOcO_rows = make_tensor(tOcO.data(), accumulator_as_rows_cols(tOcO.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   float lse[kRows];
@@ -65,7 +74,7 @@ __device__ __forceinline__ void write_forward_output(const ForwardParams& p, cha
   auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
   copy(smem_copy_o, smem_thr_o.retile_S(o_values), smem_thr_o.partition_D(sO));
-  __syncthreads();
+  threads.sync();
 
   // Shared -> registers in 16-byte vectors, then each vector to its row's address.
   typename Traits::GmemTiledCopyO gmem_copy_o;

@@ -93,17 +93,49 @@ struct QueryTileClassifier {
   }
 };
 
-// kRows, kCols: query rows and keys of the tile one thread holds in the accumulator layout.
-template <int kBlockM, int kBlockN, int kRows, int kCols>
-struct MaskBiasPolicy {
-  // Plain copies of what the policy reads: holding a reference to the __grid_constant__
+// The forward's view of one query tile: classifies its key tiles, for the tile walk. Needs no
+// per-thread state, so a warp that only loads tiles (the sm90a producer) walks them too.
+template <int kBlockM, int kBlockN>
+struct KeyTileClassifier {
+  // Plain copies of what the classifier reads: holding a reference to the __grid_constant__
   // parameters would take their address and move every access to generic memory.
   int seqlen_q, seqlen_k;
   bool causal;
-  float scale, softcap;
   int m_begin, m_end;  // query rows [m_begin, m_end) that the tile's rows belong to
   int diagonal;        // causal: row i sees keys j <= i + diagonal
   SummaryView summary;  // this (batch, mask head)'s summary
+
+  // rows: what each packed row of the tile is; row0: the tile's first packed row. With packing,
+  // every row of the tile shares one mask head (the host packs only then), hence one summary.
+  __device__ __forceinline__ KeyTileClassifier(const ForwardParams& p, int b, const RowMap& rows, int row0)
+      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), m_begin(rows.query(row0)),
+        m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1), diagonal(p.seqlen_k - p.seqlen_q),
+        summary(p.summary, b, rows.head(row0)) {}
+
+  // One past the last key tile any row of this CTA can see.
+  __device__ __forceinline__ int n_block_end() const {
+    int keys = seqlen_k;
+    if (causal) keys = min(keys, max(0, m_end - 1 + diagonal + 1));
+    return (keys + kBlockN - 1) / kBlockN;
+  }
+
+  __device__ __forceinline__ TileClass classify(int n_block) const {
+    const int n_begin = n_block * kBlockN, n_last = min(n_begin + kBlockN, seqlen_k) - 1;
+    TileClass c{false, n_begin + kBlockN > seqlen_k || (causal && n_last > m_begin + diagonal)};
+    summary.refine(c, m_begin, m_end, n_begin, n_last);
+    return c;
+  }
+};
+
+// kRows, kCols: query rows and keys of the tile one thread holds in the accumulator layout.
+template <int kBlockM, int kBlockN, int kRows, int kCols>
+struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
+  using Classifier = KeyTileClassifier<kBlockM, kBlockN>;
+  using Classifier::causal;
+  using Classifier::diagonal;
+  using Classifier::seqlen_k;
+  using Classifier::seqlen_q;
+  float scale, softcap;
   // Per row this thread holds: the query index, and where its mask bits and bias row start. Rows
   // past Sq point at the last existing row: always in bounds, and their logits are discarded.
   // Computed once per CTA and shared by every specialization of apply().
@@ -117,15 +149,12 @@ struct MaskBiasPolicy {
   bool bias_pairs = false;  // a shared row whose neighbouring keys load as one aligned access
   ElementType bias_type = ElementType::float16;
 
-  // rows: what each packed row of the tile is; row0: the tile's first packed row; coords: the
-  // (row, col) in the tile of every accumulator element this thread holds. With packing, every
-  // row of the tile shares one mask head (the host packs only then), hence one summary.
+  // rows, row0: as for the classifier; coords: the (row, col) in the tile of every accumulator
+  // element this thread holds.
   template <typename TensorC>
   __device__ __forceinline__ MaskBiasPolicy(const ForwardParams& p, int b, const RowMap& rows, int row0,
                                             const TensorC& coords)
-      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), scale(p.scale), softcap(p.softcap),
-        m_begin(rows.query(row0)), m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1),
-        diagonal(p.seqlen_k - p.seqlen_q), summary(p.summary, b, rows.head(row0)) {
+      : Classifier(p, b, rows, row0), scale(p.scale), softcap(p.softcap) {
     using namespace cute;
     has_mask = p.summary.bits != nullptr;
     has_bias = p.bias.ptr != nullptr;
@@ -156,20 +185,6 @@ struct MaskBiasPolicy {
                  reinterpret_cast<std::uintptr_t>(bias_row[0]) % (2 * bias_bytes) == 0;
   }
 
-  // One past the last key tile any row of this CTA can see.
-  __device__ __forceinline__ int n_block_end() const {
-    int keys = seqlen_k;
-    if (causal) keys = min(keys, max(0, m_end - 1 + diagonal + 1));
-    return (keys + kBlockN - 1) / kBlockN;
-  }
-
-  __device__ __forceinline__ TileClass classify(int n_block) const {
-    const int n_begin = n_block * kBlockN, n_last = min(n_begin + kBlockN, seqlen_k) - 1;
-    TileClass c{false, n_begin + kBlockN > seqlen_k || (causal && n_last > m_begin + diagonal)};
-    summary.refine(c, m_begin, m_end, n_begin, n_last);
-    return c;
-  }
-
   static constexpr int kWindowWords = kBlockN / 32;
 
   // What a tile reads from global memory besides S, loaded by load_inputs() before S exists so
@@ -182,15 +197,30 @@ struct MaskBiasPolicy {
     std::uint32_t keep[kRows][kWindowWords];
   };
 
+  // staged: the tile's bias values already in shared memory (kBlockN 16-bit values of the shared
+  // row, zero past Sk), where a producer has put them; nullptr to read global memory.
   template <typename TensorC>
   __device__ __forceinline__ void load_inputs(TileInputs& in, const TensorC& coords_flat, int n_block,
-                                              bool elementwise) const {
+                                              bool elementwise, const std::uint16_t* staged = nullptr) const {
     using namespace cute;
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
     static_assert(decltype(size<1>(coords))::value == kCols);
     const int n_begin = n_block * kBlockN;
     static_assert(kCols % 2 == 0, "a thread's columns come in neighbouring pairs");
-    if (bias_pairs && !elementwise) {
+    if (staged) {
+      // In the layout apply() expects of the global loads: 16-bit pairs in the even slots on
+      // tiles without per-element masking, a value per column on the others.
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 2) {
+        const int col = get<1>(coords(0, c));
+        if (!elementwise) {
+          in.shared_bias[c] = *reinterpret_cast<const std::uint32_t*>(staged + col);
+        } else {
+          in.shared_bias[c] = staged[col];
+          in.shared_bias[c + 1] = staged[get<1>(coords(0, c + 1))];
+        }
+      }
+    } else if (bias_pairs && !elementwise) {
       // A tile without per-element masking lies inside [0, Sk), and the thread's columns come in
       // neighbouring pairs starting at even keys: one aligned access per pair, no clamping. A
       // 16-bit pair stays packed in the even slot.
@@ -447,13 +477,13 @@ struct ActiveTileWalk {
 
 // The forward's walk: the active key tiles of this CTA's split-KV share [begin, end), in
 // descending order from the last one any row of the CTA can see.
-template <typename Policy>
+template <typename Classifier>
 struct SplitTileWalk {
-  const Policy& policy;
+  const Classifier& policy;
   ActiveTileWalk walk;
   int begin, end;
 
-  __device__ __forceinline__ SplitTileWalk(const Policy& policy_, int key_tiles, int num_splits, int split)
+  __device__ __forceinline__ SplitTileWalk(const Classifier& policy_, int key_tiles, int num_splits, int split)
       : policy(policy_) {
     const int per_split = (key_tiles + num_splits - 1) / num_splits;
     begin = split * per_split;

@@ -21,9 +21,15 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// How far a tile's logits may rise above a row's reference max before the reference moves: P
+// stays below 2^8, harmless in fp32 sums and in 16-bit P (relative rounding does not depend on
+// magnitude), and once a row has seen its largest logits the output is rarely rescaled again.
+// The output then needs rescaling only on the tiles where some reference moved (FlashAttention-4).
+inline constexpr float kMaxGrowth = 8.f / kLog2e;  // 8 powers of two, in natural units
+
 template <int kRows>
 struct OnlineSoftmax {
-  float row_max[kRows];  // max logit seen so far in the row, -inf while no visible key was seen
+  float row_max[kRows];  // the reference max of the row, -inf while no visible key was seen
   float row_sum[kRows];  // this thread's part of sum exp(logit - row_max); quad-reduced in finalize
 
   __device__ __forceinline__ void init() {
@@ -34,32 +40,43 @@ struct OnlineSoftmax {
     }
   }
 
-  // s: (rows, cols) logits of one key tile, replaced by P = exp(s - new max). o: (rows, cols)
-  // output accumulator, rescaled by exp(old max - new max).
+  // s: (rows, cols) logits of one key tile, replaced by P = exp(s - reference max). o: (rows, cols)
+  // output accumulator, rescaled where the reference moved.
   template <typename TensorS, typename TensorO>
   __device__ __forceinline__ void update(TensorS& s, TensorO& o) {
     float correction[kRows];
-    fold(s, correction);
-    rescale(o, correction);
+    if (fold(s, correction)) rescale(o, correction);
   }
 
   // update() in two halves, for a main loop whose P·V MMA of the previous tile is still writing
   // the output while this tile's softmax runs: fold() replaces s by P and returns each row's
-  // factor exp(old max - new max); rescale() applies it to the output once the MMA is done.
+  // factor exp(old reference - new reference); rescale() applies it to the output once the MMA is
+  // done. fold() returns false when every factor of the warp is 1: the references stay unless a
+  // row of the warp would exceed its own by more than kMaxGrowth (the decision is warp-uniform, so
+  // the caller's skip of rescale() is too; every lane of the warp must call fold()).
   template <typename TensorS>
-  __device__ __forceinline__ void fold(TensorS& s, float (&correction)[kRows]) {
+  __device__ __forceinline__ bool fold(TensorS& s, float (&correction)[kRows]) {
     using namespace cute;
     static_assert(decltype(size<0>(s))::value == kRows);
+    float tile_max[kRows];
+    bool keep = true;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float new_max = row_max[r];
+      tile_max[r] = -INFINITY;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) new_max = fmaxf(new_max, s(r, c));
-      new_max = quad_max(new_max);
+      for (int c = 0; c < size<1>(s); ++c) tile_max[r] = fmaxf(tile_max[r], s(r, c));
+      tile_max[r] = quad_max(tile_max[r]);
+      // A row that has seen no visible key (reference -inf) keeps it only while it still sees none.
+      keep &= tile_max[r] <= row_max[r] + kMaxGrowth;
+    }
+    keep = __all_sync(0xffffffffu, keep);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float new_max = keep ? row_max[r] : fmaxf(row_max[r], tile_max[r]);
       // The one place -inf - (-inf) can arise: a row that has seen no visible key keeps max -inf.
       // Subtracting 0 instead makes every exp2(-inf) = 0 and leaves sum and output at 0.
       const float base = new_max == -INFINITY ? 0.f : new_max * kLog2e;
-      correction[r] = exp2f(row_max[r] * kLog2e - base);
+      correction[r] = keep ? 1.f : exp2f(row_max[r] * kLog2e - base);
       row_max[r] = new_max;
       row_sum[r] *= correction[r];
       CUTE_UNROLL
@@ -68,6 +85,7 @@ struct OnlineSoftmax {
         row_sum[r] += s(r, c);
       }
     }
+    return !keep;
   }
 
   template <typename TensorO>

@@ -1,12 +1,16 @@
-// The sm90a forward kernel entry and its launch: one CTA of two warpgroups per (query tile, query
-// head, batch, split).
+// The sm90a forward kernel entries and their launch: one CTA per (query tile, query head, batch,
+// split). Q, K and V that TMA can address go to the warp-specialized kernel; any others (strides
+// or bases off 16 bytes) to the one whose threads load with cp.async.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <cstdint>
 
 #include "kernels/common/forward_grid.h"
+#include "kernels/common/launch.h"
 #include "kernels/params.h"
 #include "kernels/sm90/fwd_mainloop.h"
+#include "kernels/sm90/fwd_warp_specialized.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
@@ -18,10 +22,80 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __g
   forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    forward_tma_kernel(const __grid_constant__ ForwardTmaParams<Traits> params) {
+  extern __shared__ __align__(1024) char smem[];
+  const ForwardCta cta = forward_cta(params.p);
+  forward_tile_warp_specialized<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+}
+
+// One (rows, head dim, heads, batch) operand as TMA sees it.
+struct TmaOperand {
+  const void* ptr;
+  int rows, heads;
+  std::int64_t row_stride, head_stride, batch_stride;
+};
+
+// TMA reads a tensor through a 16-byte aligned base and strides that are positive multiples of 16
+// bytes. A dimension of extent 1 has no stride to speak of: it gets the one a packed tensor would.
+inline bool tma_addressable(TmaOperand& t, int head_dim, int batch) {
+  constexpr std::int64_t kVector = 8;  // 16 bytes of a 16-bit element
+  auto usable = [&](std::int64_t& stride, int extent, std::int64_t packed) {
+    if (extent == 1) stride = packed;
+    return stride > 0 && stride % kVector == 0 && stride < (std::int64_t(1) << 38);
+  };
+  const std::int64_t packed_row = (head_dim + kVector - 1) / kVector * kVector;
+  return reinterpret_cast<std::uintptr_t>(t.ptr) % 16 == 0 && usable(t.row_stride, t.rows, packed_row) &&
+         usable(t.head_stride, t.heads, t.row_stride * t.rows) &&
+         usable(t.batch_stride, batch, t.head_stride * t.heads);
+}
+
+// Whether the producer can bulk-copy a tile's bias values (see ForwardTmaParams::stage_bias): 16-bit
+// values, one row shared by the query rows, every row and tile starting on 16 bytes.
+inline bool stageable_bias(const BroadcastOperand& bias, int seqlen_k) {
+  constexpr std::int64_t kVector = 8;  // 16-bit values in 16 bytes
+  return bias.ptr && bias.type != ElementType::float32 && bias.row_stride == 0 && bias.col_stride == 1 &&
+         reinterpret_cast<std::uintptr_t>(bias.ptr) % 16 == 0 && bias.head_stride % kVector == 0 &&
+         bias.batch_stride % kVector == 0 && seqlen_k % kVector == 0;
+}
+
 template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
-  using Traits = ForwardTraits<Element, kHeadDim>;
-  return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
+  using namespace cute;
+  TmaOperand q{params.q, params.seqlen_q, params.heads, params.q_row_stride, params.q_head_stride, params.q_batch_stride};
+  TmaOperand k{params.k, params.seqlen_k, params.kv_heads, params.k_row_stride, params.k_head_stride,
+               params.k_batch_stride};
+  TmaOperand v{params.v, params.seqlen_k, params.kv_heads, params.v_row_stride, params.v_head_stride,
+               params.v_batch_stride};
+  const bool tma = params.pack_group == 1 && tma_addressable(q, params.head_dim, params.batch) &&
+                   tma_addressable(k, params.head_dim, params.batch) && tma_addressable(v, params.head_dim, params.batch);
+  if (!tma) {
+    using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
+    return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
+  }
+
+  using Traits = ForwardTraits<Element, kHeadDim, KvLoads::tma_producer>;
+  auto gmem = [&](const TmaOperand& t) {
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.ptr)),
+                       make_shape(t.rows, params.head_dim, t.heads, params.batch),
+                       make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride));
+  };
+  const ForwardTmaParams<Traits> tma_params{
+      params,
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(q), typename Traits::SmemLayoutQ{},
+                    Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(k), take<0, 2>(typename Traits::SmemLayoutK{}),
+                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(v), take<0, 2>(typename Traits::SmemLayoutV{}),
+                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
+      stageable_bias(params.bias, params.seqlen_k)};
+  constexpr int kSmem = Traits::kSmemBytes;
+  auto* kernel = &forward_tma_kernel<Traits>;
+  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
+  kernel<<<forward_grid(params, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(tma_params);
+  return cudaGetLastError();
 }
 
 }  // namespace flash_dmattn::kernels::sm90

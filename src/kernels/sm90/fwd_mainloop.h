@@ -138,11 +138,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       warpgroup_wait<1>();  // S of this tile; the last tile's P·V may still run
       warpgroup_fence_operand(acc_s);
       policy.apply(acc_s, tScS, n_block, elementwise, inputs);
-      softmax.fold(acc_s_rows, correction);
+      const bool rescale_o = softmax.fold(acc_s_rows, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(tOrP);
-      softmax.rescale(acc_o_rows, correction);
+      if (rescale_o) softmax.rescale(acc_o_rows, correction);
       convert_fragment_into(acc_s, tOrP);
     }
 

@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "kernels/common/tile_copy.h"
 #include "kernels/sm90/smem_atom.h"
@@ -11,17 +14,19 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, KvLoads kLoads_>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr KvLoads kLoads = kLoads_;
+  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim, kLoads);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
-  static constexpr int kNWarps = kTile.warps;
-  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMmaThreads = kTile.warps * 32;  // the warpgroups that compute
+  // With TMA, one more warpgroup issues the loads.
+  static constexpr int kNThreads = kMmaThreads + (kLoads == KvLoads::tma_producer ? 128 : 0);
   static constexpr int kStages = 2;  // K and V tiles in flight: the next one loads while this one computes
-  static_assert(kBlockM == 64 * (kNThreads / 128), "one warpgroup per 64 query rows");
+  static_assert(kBlockM == 64 * (kMmaThreads / 128), "one warpgroup per 64 query rows");
 
   using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;  // S = Q·Kᵀ (M, N, K)
   using TileO = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;  // O += P·V (M, N, K)
@@ -54,11 +59,39 @@ struct ForwardTraits {
 
   // Global <-> shared: 16-byte vectors across rows of up to 64 elements.
   static constexpr int kGmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
-  using GmemTiledCopyQKV = typename GmemRowCopies<Element, kNThreads, kGmemRowElems>::Async;
-  using GmemTiledCopyO = typename GmemRowCopies<Element, kNThreads, kGmemRowElems>::Vectors;
+  using GmemTiledCopyQKV = typename GmemRowCopies<Element, kMmaThreads, kGmemRowElems>::Async;
+  using GmemTiledCopyO = typename GmemRowCopies<Element, kMmaThreads, kGmemRowElems>::Vectors;
 
-  static constexpr int kSmemBytes = static_cast<int>(
-      (cute::cosize(SmemLayoutQ{}) + cute::cosize(SmemLayoutK{}) + cute::cosize(SmemLayoutVt{})) * sizeof(Element));
+  // TMA loads of Q, K and V tiles from (rows, head dim, heads, batch) tensors; the head dim is
+  // contiguous. One descriptor each, built on the host (fwd_kernel.h).
+  using GmemShape = cute::Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
+  using GmemStride = cute::Stride<std::int64_t, cute::_1, std::int64_t, std::int64_t>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)),
+                                                GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutK{}),
+                                            cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  using TmaV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutV{}),
+                                            cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr std::uint32_t kTileBytes = kBlockN * kHeadDim * sizeof(Element);  // one K or V stage
+
+  struct SharedStorage {
+    alignas(1024) cute::array<Element, cute::cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array<Element, cute::cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array<Element, cute::cosize_v<SmemLayoutVt>> v;
+    // A shared bias row's values of each K stage's keys, where the producer stages them.
+    alignas(128) cute::array<std::uint16_t, kBlockN * kStages> bias;
+    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    cutlass::arch::ClusterTransactionBarrier q_loaded;
+  };
+
+  static constexpr int kSmemBytes =
+      kLoads == KvLoads::tma_producer
+          ? static_cast<int>(sizeof(SharedStorage))
+          : static_cast<int>((cute::cosize(SmemLayoutQ{}) + cute::cosize(SmemLayoutK{}) + cute::cosize(SmemLayoutVt{})) *
+                             sizeof(Element));
 };
 
 }  // namespace flash_dmattn::kernels::sm90
