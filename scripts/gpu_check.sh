@@ -7,7 +7,8 @@
 # when present), CMAKE_EXTRA (more configure flags), SKIP_BENCH=1, SKIP_SANITIZERS=1,
 # GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the GPU suite and the
 # benchmark run twice: with the default kernels (the sm90a ones where they apply) and with
-# FLASH_DMATTN_KERNELS=sm80.
+# FLASH_DMATTN_KERNELS=sm80; the deterministic backward tests run a third time, with
+# FLASH_DMATTN_KERNELS=sm90a.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
@@ -36,6 +37,11 @@ if [ "${cc:-80}" -eq 90 ]; then
     --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
   sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80.log" | tr '\n' ' ')"
   tail -5 "$OUT/gpu_tests_sm80.log"
+  # Left to itself a deterministic backward at D > 64 runs sm80 (choose_family in
+  # src/cuda/cuda_backend.cpp): the sm90a kernel's deterministic mode gets a run of its own.
+  FLASH_DMATTN_KERNELS=sm90a build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter='BackwardRuntime.Deterministic*' > "$OUT/gpu_tests_sm90a_deterministic.log" 2>&1 || gpu_rc=1
+  sm80_line+=$'\n'"deterministic backward tests with FLASH_DMATTN_KERNELS=sm90a: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm90a_deterministic.log" | tr '\n' ' ')"
 fi
 gpu_s=$(( $(date +%s) - start ))
 tail -30 "$OUT/gpu_tests.log"

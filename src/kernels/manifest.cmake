@@ -8,9 +8,9 @@ set(FLASH_DMATTN_ALL_DTYPES float16 bfloat16)
 # 64 x D / 128 output accumulators and the loop's other state do not fit its registers yet. 32:
 # the sm80 kernel measured faster (B1 H2 S16384 causal, mask + bias, H200: 0.344 against 0.394 ms).
 set(FLASH_DMATTN_SM90A_HEAD_DIMS 64 96 128)
-# Head dims of the sm90a backward. Its thread holds 64 x D / 128 accumulators each of dK and dV:
-# at D = 128 they, S and the mask/bias state spill (ptxas: 7 KB), and the dense-equivalent
-# backward measured 13.65 ms against 9.78 for sm80; at D = 64, 5.05 against 6.29 (H200).
-set(FLASH_DMATTN_SM90A_BACKWARD_HEAD_DIMS 64)
+# Head dims of the sm90a backward (sm90/tile_size.h says how its warpgroups split the work).
+# Dense-equivalent backward, H200: D = 64 4.92 ms against 6.29 for sm80; D = 128 (split by query
+# rows) 7.90 against 8.65. D = 96 is untried with that split.
+set(FLASH_DMATTN_SM90A_BACKWARD_HEAD_DIMS 64 128)
 set(FLASH_DMATTN_CUTLASS_TYPE_float16 "cutlass::half_t")
 set(FLASH_DMATTN_CUTLASS_TYPE_bfloat16 "cutlass::bfloat16_t")

@@ -18,11 +18,11 @@
 namespace flash_dmattn::test {
 namespace {
 
-// A mid-sized masked, biased, causal GQA problem. D = 64, the head dim every build is likeliest to
-// include, so that these checks of how the call runs skip in as few builds as possible.
-BackwardCase runtime_case(OperandShape bias, bool deterministic) {
+// A mid-sized masked, biased, causal GQA problem. D = 64 by default, the head dim every build is
+// likeliest to include, so that these checks of how the call runs skip in as few builds as possible.
+BackwardCase runtime_case(OperandShape bias, bool deterministic, int head_dim = 64) {
   BackwardCase c;
-  c.n = Sizes{2, 300, 700, 8, 2, 64};
+  c.n = Sizes{2, 300, 700, 8, 2, head_dim};
   c.mask = OperandShape{true, c.n.Hk, true, true};
   c.bias = bias;
   c.causal = true;
@@ -70,12 +70,14 @@ TEST_F(BackwardRuntime, QueryNamesACudaBackend) {
   EXPECT_FALSE(capability.description.empty());
 }
 
-TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqual) {
+// Three deterministic runs of each reducing bias shape give bitwise-equal gradients, which match
+// the reference.
+void expect_deterministic_runs_bitwise_equal(int head_dim, cudaStream_t stream) {
   auto rng = test_rng();
   for (const NamedBias& bias : kReducingBiases) {
     SCOPED_TRACE(bias.name);
-    const BackwardProblem p = BackwardProblem::random(runtime_case(bias.shape, true), rng);
-    GpuBackward gpu(p, stream());
+    const BackwardProblem p = BackwardProblem::random(runtime_case(bias.shape, true, head_dim), rng);
+    GpuBackward gpu(p, stream);
     gpu.prepare();
     if (test_stopped()) return;
     ASSERT_TRUE(gpu.run().ok());
@@ -88,6 +90,14 @@ TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqual) {
     }
     expect_gradients_match_reference(p, first);
   }
+}
+
+TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqual) { expect_deterministic_runs_bitwise_equal(64, stream()); }
+
+// On sm_90, D = 128 runs a kernel that splits its work by query rows where D = 64 splits by keys
+// (sm90/tile_size.h).
+TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqualAtHeadDim128) {
+  expect_deterministic_runs_bitwise_equal(128, stream());
 }
 
 TEST_F(BackwardRuntime, DefaultModeRerunsStayWithinTolerance) {

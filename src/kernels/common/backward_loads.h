@@ -12,16 +12,26 @@
 
 namespace flash_dmattn::kernels {
 
-// Tile `tile` of kRows rows of a (B, rows, heads, D) tensor's (b, head) slice: (kRows, kHeadDim),
-// over `length` rows and `head_dim` columns (the copies predicate the rest).
-template <typename Element, int kRows, int kHeadDim>
-__device__ __forceinline__ auto head_rows_tile(const void* base, std::int64_t batch_stride, std::int64_t head_stride,
-                                               std::int64_t row_stride, int b, int head, int length, int head_dim,
-                                               int tile) {
+// One (B, rows, heads, D) tensor with a contiguous head dim, as the copies read it.
+struct HeadRows {
+  const void* ptr;
+  std::int64_t batch_stride, head_stride, row_stride;
+  int length;  // rows
+};
+
+// Tile `tile` of kRows rows of src's (b, head) slice -> dst, predicated to the rows before
+// src.length and the first head_dim columns; coords: the (row, col) of every vector in a
+// (kRows, kHeadDim) tile.
+template <typename Element, int kRows, int kHeadDim, typename TiledCopy, typename ThrCopy, typename Dst,
+          typename Coords>
+__device__ __forceinline__ void copy_head_rows_async(const HeadRows& src, int b, int head, int tile, int head_dim,
+                                                     const TiledCopy& copy, const ThrCopy& thr, Dst&& dst,
+                                                     const Coords& coords) {
   using namespace cute;
-  const Element* ptr = static_cast<const Element*>(base) + b * batch_stride + head * head_stride;
-  Tensor rows = make_tensor(make_gmem_ptr(ptr), make_shape(length, head_dim), make_stride(row_stride, _1{}));
-  return local_tile(rows, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(tile, 0));
+  const Element* ptr = static_cast<const Element*>(src.ptr) + b * src.batch_stride + head * src.head_stride;
+  Tensor rows = make_tensor(make_gmem_ptr(ptr), make_shape(src.length, head_dim), make_stride(src.row_stride, _1{}));
+  copy_rows_async(copy, thr.partition_S(local_tile(rows, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(tile, 0))), dst,
+                  coords, src.length - tile * kRows, head_dim);
 }
 
 // Q and dO of query tile m_block of query head h -> dst_q, dst_do; coords: the (row, col) of
@@ -32,16 +42,10 @@ __device__ __forceinline__ void copy_q_do_async(const BackwardParams& p, int b, 
                                                 const TiledCopy& copy, const ThrCopy& thr, DstQ&& dst_q,
                                                 DstDO&& dst_do, const Coords& coords) {
   const ForwardParams& f = p.fwd;
-  const int valid = f.seqlen_q - m_block * kBlockM;
-  copy_rows_async(copy,
-                  thr.partition_S(head_rows_tile<Element, kBlockM, kHeadDim>(
-                      f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride, b, h, f.seqlen_q, f.head_dim, m_block)),
-                  dst_q, coords, valid, f.head_dim);
-  copy_rows_async(copy,
-                  thr.partition_S(head_rows_tile<Element, kBlockM, kHeadDim>(
-                      p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, b, h, f.seqlen_q, f.head_dim,
-                      m_block)),
-                  dst_do, coords, valid, f.head_dim);
+  const HeadRows q{f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride, f.seqlen_q};
+  const HeadRows dout{p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, f.seqlen_q};
+  copy_head_rows_async<Element, kBlockM, kHeadDim>(q, b, h, m_block, f.head_dim, copy, thr, dst_q, coords);
+  copy_head_rows_async<Element, kBlockM, kHeadDim>(dout, b, h, m_block, f.head_dim, copy, thr, dst_do, coords);
 }
 
 // K and V of key tile n_block of KV head kv_h -> dst_k, dst_v; coords: the (row, col) of every
@@ -52,15 +56,10 @@ __device__ __forceinline__ void copy_k_v_async(const BackwardParams& p, int b, i
                                                const TiledCopy& copy, const ThrCopy& thr, DstK&& dst_k, DstV&& dst_v,
                                                const Coords& coords) {
   const ForwardParams& f = p.fwd;
-  const int valid = f.seqlen_k - n_block * kBlockN;
-  copy_rows_async(copy,
-                  thr.partition_S(head_rows_tile<Element, kBlockN, kHeadDim>(
-                      f.k, f.k_batch_stride, f.k_head_stride, f.k_row_stride, b, kv_h, f.seqlen_k, f.head_dim, n_block)),
-                  dst_k, coords, valid, f.head_dim);
-  copy_rows_async(copy,
-                  thr.partition_S(head_rows_tile<Element, kBlockN, kHeadDim>(
-                      f.v, f.v_batch_stride, f.v_head_stride, f.v_row_stride, b, kv_h, f.seqlen_k, f.head_dim, n_block)),
-                  dst_v, coords, valid, f.head_dim);
+  const HeadRows k{f.k, f.k_batch_stride, f.k_head_stride, f.k_row_stride, f.seqlen_k};
+  const HeadRows v{f.v, f.v_batch_stride, f.v_head_stride, f.v_row_stride, f.seqlen_k};
+  copy_head_rows_async<Element, kBlockN, kHeadDim>(k, b, kv_h, n_block, f.head_dim, copy, thr, dst_k, coords);
+  copy_head_rows_async<Element, kBlockN, kHeadDim>(v, b, kv_h, n_block, f.head_dim, copy, thr, dst_v, coords);
 }
 
 }  // namespace flash_dmattn::kernels

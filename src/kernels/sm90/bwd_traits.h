@@ -4,6 +4,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
+#include <type_traits>
 
 #include "kernels/common/tile_copy.h"
 #include "kernels/sm90/smem_atom.h"
@@ -20,53 +21,60 @@ struct BackwardTraits {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kWarpgroups = kTile.warpgroups;
   static constexpr int kNThreads = kWarpgroups * 128;
-  static constexpr int kStages = 2;     // Q and dO of the next query tile load while this one computes
-  static constexpr int kSdpWarpsM = 4;  // warps along the query rows of S: the four of a warpgroup
-  static_assert(kBlockM == 64 && kBlockN == 64 * kWarpgroups, "a warpgroup per 64 keys, 64 query rows");
+  static constexpr int kStages = 2;  // Q and dO of the next query tile load while this one computes
+  static constexpr bool kSplitKeys = kTile.split == WarpgroupSplit::keys;
+  static_assert(kSplitKeys ? kBlockM == 64 && kBlockN == 64 * kWarpgroups : kBlockM == 64 * kWarpgroups && kBlockN == 64,
+                "a warpgroup per 64 keys (keys split) or per 64 query rows (query-rows split)");
+  // Warps along the query rows of S: a warpgroup's four, or both warpgroups' eight.
+  static constexpr int kSdpWarpsM = kSplitKeys ? 4 : 4 * kWarpgroups;
+  // The head-dim columns of one warpgroup's dK and dV, and of its dQ.
+  static constexpr int kDkvCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
+  static constexpr int kDqCols = kSplitKeys ? kHeadDim / kWarpgroups : kHeadDim;
 
   using WarpgroupsAlongM = cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>;
   using WarpgroupsAlongN = cute::Layout<cute::Shape<cute::_1, cute::Int<kWarpgroups>, cute::_1>>;
-  // S = Q·Kᵀ and dP = dO·Vᵀ, (queries, keys) over D: warpgroup w takes keys 64w..64w+63.
+  // S and dP (queries, keys) and dQ (queries, D): the warpgroups take different keys or head-dim
+  // columns (keys split), or different query rows.
+  using ByQueryTile = std::conditional_t<kSplitKeys, WarpgroupsAlongN, WarpgroupsAlongM>;
+  // dK and dV (keys, D): different keys, or different head-dim columns (query-rows split).
+  using ByKeyTile = std::conditional_t<kSplitKeys, WarpgroupsAlongM, WarpgroupsAlongN>;
+  // S = Q·Kᵀ and dP = dO·Vᵀ, (queries, keys) over D: 64 x 64 per warpgroup.
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN / kWarpgroups>, cute::Int<kHeadDim>>>(),
-      WarpgroupsAlongN{}));
-  // dV += Pᵀ·dO and dK += dSᵀ·Q, (keys, D) over queries: warpgroup w owns keys 64w..64w+63. Both
-  // operands are read transposed from shared memory (MN-major).
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_64, cute::Int<kHeadDim>>>(),
+      ByQueryTile{}));
+  // dV += Pᵀ·dO and dK += dSᵀ·Q, (keys, D) over queries. Both operands are read transposed from
+  // shared memory (MN-major).
   using TiledMmadKV = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockN / kWarpgroups>, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kDkvCols>, cute::Int<kBlockM>>,
                                  cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      WarpgroupsAlongM{}));
-  // dQ = dS·K, (queries, D) over keys: warpgroup w takes head-dim columns [w·D/2, (w+1)·D/2); K
-  // is read transposed (MN-major).
+      ByKeyTile{}));
+  // dQ = dS·K, (queries, D) over keys; K is read transposed (MN-major).
   using TiledMmadQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kWarpgroups>, cute::Int<kBlockN>>,
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kDqCols>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      WarpgroupsAlongN{}));
+      ByQueryTile{}));
 
   // Q and dO: (kBlockM, D, stage), the K-major A operands of S and dP; the same bytes viewed as
-  // (D, kBlockM, stage) are the MN-major B operands of dK and dV.
-  using SmemLayoutQ = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
+  // (D, kBlockM, stage) are the MN-major B operands of dK and dV, of which a warpgroup may read
+  // some of the head-dim columns: the swizzle atom is at most that wide, so that they start on one.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(smem_atom<Element, kDkvCols, cute::GMMA::Major::K>(),
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
   using SmemLayoutQt = decltype(cute::composition(
       SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
                                        cute::make_stride(cute::Int<kBlockM>{}, cute::_1{}, cute::Int<kBlockM * kHeadDim>{}))));
   // K: (kBlockN, D), the K-major B operand of S; viewed as (D, kBlockN), the MN-major B operand
-  // of dQ, of which each warpgroup reads half the head dim: the swizzle atom is at most D/2 wide,
-  // so that each half starts on an atom.
-  using SmemLayoutK = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim / kWarpgroups, cute::GMMA::Major::K>(),
+  // of dQ, whose head-dim columns a warpgroup reads (the same rule for the swizzle atom).
+  using SmemLayoutK = decltype(cute::tile_to_shape(smem_atom<Element, kDqCols, cute::GMMA::Major::K>(),
                                                    cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutK{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
                                        cute::make_stride(cute::Int<kBlockN>{}, cute::_1{}))));
   using SmemLayoutV = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
                                                    cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // P and dS: stored as (kBlockN, kBlockM), the MN-major A operands of dV and dK (each
-  // warpgroup reads its 64 keys); viewed as (kBlockM, kBlockN), what the softmax writes and
-  // dS's K-major A operand of dQ.
-  using SmemLayoutPdSt = decltype(cute::tile_to_shape(smem_atom<Element, kBlockN / kWarpgroups, cute::GMMA::Major::MN>(),
+  // P and dS: stored as (kBlockN, kBlockM), the MN-major A operands of dV and dK (a warpgroup
+  // reads 64 keys); viewed as (kBlockM, kBlockN), what the softmax writes and dS's K-major A
+  // operand of dQ.
+  using SmemLayoutPdSt = decltype(cute::tile_to_shape(smem_atom<Element, 64, cute::GMMA::Major::MN>(),
                                                       cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
   using SmemLayoutPdS = decltype(cute::composition(
       SmemLayoutPdSt{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{},

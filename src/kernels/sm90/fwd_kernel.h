@@ -37,18 +37,22 @@ struct TmaOperand {
   std::int64_t row_stride, head_stride, batch_stride;
 };
 
-// TMA reads a tensor through a 16-byte aligned base and strides that are positive multiples of 16
-// bytes. A dimension of extent 1 has no stride to speak of: it gets the one a packed tensor would.
-inline bool tma_addressable(TmaOperand& t, int head_dim, int batch) {
+// A dimension of extent 1 has no stride to speak of: it gets the one a packed tensor would have,
+// so that the check below does not turn away, say, a single head with an arbitrary head stride.
+inline void pack_unit_strides(TmaOperand& t, int head_dim, int batch) {
   constexpr std::int64_t kVector = 8;  // 16 bytes of a 16-bit element
-  auto usable = [&](std::int64_t& stride, int extent, std::int64_t packed) {
-    if (extent == 1) stride = packed;
-    return stride > 0 && stride % kVector == 0 && stride < (std::int64_t(1) << 38);
-  };
-  const std::int64_t packed_row = (head_dim + kVector - 1) / kVector * kVector;
-  return reinterpret_cast<std::uintptr_t>(t.ptr) % 16 == 0 && usable(t.row_stride, t.rows, packed_row) &&
-         usable(t.head_stride, t.heads, t.row_stride * t.rows) &&
-         usable(t.batch_stride, batch, t.head_stride * t.heads);
+  if (t.rows == 1) t.row_stride = (head_dim + kVector - 1) / kVector * kVector;
+  if (t.heads == 1) t.head_stride = t.row_stride * t.rows;
+  if (batch == 1) t.batch_stride = t.head_stride * t.heads;
+}
+
+// TMA reads a tensor through a 16-byte aligned base and strides that are positive multiples of 16
+// bytes (below 2^40 bytes).
+inline bool tma_addressable(const TmaOperand& t) {
+  constexpr std::int64_t kVector = 8;
+  auto usable = [](std::int64_t stride) { return stride > 0 && stride % kVector == 0 && stride < (std::int64_t(1) << 39); };
+  return reinterpret_cast<std::uintptr_t>(t.ptr) % 16 == 0 && usable(t.row_stride) && usable(t.head_stride) &&
+         usable(t.batch_stride);
 }
 
 // Whether the producer can bulk-copy a tile's bias values (see ForwardTmaParams::stage_bias): 16-bit
@@ -68,8 +72,8 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
                params.k_batch_stride};
   TmaOperand v{params.v, params.seqlen_k, params.kv_heads, params.v_row_stride, params.v_head_stride,
                params.v_batch_stride};
-  const bool tma = params.pack_group == 1 && tma_addressable(q, params.head_dim, params.batch) &&
-                   tma_addressable(k, params.head_dim, params.batch) && tma_addressable(v, params.head_dim, params.batch);
+  for (TmaOperand* t : {&q, &k, &v}) pack_unit_strides(*t, params.head_dim, params.batch);
+  const bool tma = params.pack_group == 1 && tma_addressable(q) && tma_addressable(k) && tma_addressable(v);
   if (!tma) {
     using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
     return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);

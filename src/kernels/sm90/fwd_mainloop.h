@@ -15,6 +15,7 @@
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
+#include "kernels/sm90/fwd_fragments.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/wgmma.h"
 
@@ -46,51 +47,31 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_q + cosize(typename Traits::SmemLayoutQ{});
   Element* smem_v = smem_k + cosize(typename Traits::SmemLayoutK{});
-  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{});    // (kBlockN, D, stage)
-  Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});  // (D, kBlockN, stage)
-  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});    // (kBlockN, D, stage)
+  auto [mma_s, mma_o, tSrQ, tSrK, tOrV, acc_s, acc_o, tOrP, tScS, tOcO] = forward_fragments<Traits>(tid, smem_q, smem_k, smem_v);
+  Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+  Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
 
   // Global -> shared copies, with the (row, column) of every vector for predication.
   typename Traits::GmemTiledCopyQKV gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
   Tensor tQgQ = gmem_thr.partition_S(gQ);
-  Tensor tQsQ = gmem_thr.partition_D(as_position_independent_swizzle_tensor(sQ));
+  Tensor tQsQ = gmem_thr.partition_D(
+      as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{})));
   Tensor tKgK = gmem_thr.partition_S(gK);
-  Tensor tKsK = gmem_thr.partition_D(as_position_independent_swizzle_tensor(sK));
+  Tensor tKsK = gmem_thr.partition_D(  // (CPY, rows, cols, stage)
+      as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{})));
   Tensor tVgV = gmem_thr.partition_S(gV);
-  Tensor tVsV = gmem_thr.partition_D(as_position_independent_swizzle_tensor(sV));
+  Tensor tVsV = gmem_thr.partition_D(
+      as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{})));
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-  // wgmma operands: shared-memory descriptors for Q, K and V; P in registers.
-  typename Traits::TiledMmaS mma_s;
-  typename Traits::TiledMmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(acc_s.layout()));
-  clear(acc_o);
-
-  // (row, col) inside the tile of every element of S and O this thread holds.
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-  Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
-  constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
-  constexpr int kCols = decltype(size<1>(make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()))))::value;
-
-  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
-  const Policy policy(p, b, rows, row0, tScS);
-  typename Policy::TileInputs inputs;  // bias and mask bits of a tile, loaded while its S computes
-  SplitTileWalk<Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
-  OnlineSoftmax<kRows> softmax;
+  const typename Traits::Policy policy(p, b, rows, row0, tScS);
+  typename Traits::Policy::TileInputs inputs;  // bias and mask bits of a tile, loaded while its S computes
+  SplitTileWalk<typename Traits::Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
+  OnlineSoftmax<Traits::kRows> softmax;
   softmax.init();
-  float correction[kRows];
+  float correction[Traits::kRows];
 
   auto load = [&](auto& src, auto& dst, int n_block, int stage) {
     copy_rows_async(gmem_copy, src(_, _, _, n_block), dst(_, _, _, stage), tKVcKV, p.seqlen_k - n_block * kBlockN,

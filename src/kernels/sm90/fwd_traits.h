@@ -8,6 +8,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "kernels/common/mask_bias.h"
 #include "kernels/common/tile_copy.h"
 #include "kernels/sm90/smem_atom.h"
 #include "kernels/sm90/tile_size.h"
@@ -19,7 +20,7 @@ struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr KvLoads kLoads = kLoads_;
-  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim, kLoads);
+  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kMmaThreads = kTile.warps * 32;  // the warpgroups that compute
@@ -27,6 +28,9 @@ struct ForwardTraits {
   static constexpr int kNThreads = kMmaThreads + (kLoads == KvLoads::tma_producer ? 128 : 0);
   static constexpr int kStages = 2;  // K and V tiles in flight: the next one loads while this one computes
   static_assert(kBlockM == 64 * (kMmaThreads / 128), "one warpgroup per 64 query rows");
+  // A thread's part of a warpgroup's 64 x kBlockN accumulator: 2 rows, kBlockN / 4 columns.
+  static constexpr int kRows = 2, kCols = kBlockN / 4;
+  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
 
   using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;  // S = Q·Kᵀ (M, N, K)
   using TileO = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>;  // O += P·V (M, N, K)

@@ -17,6 +17,7 @@
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
 #include "kernels/params.h"
+#include "kernels/sm90/fwd_fragments.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/wgmma.h"
 
@@ -153,44 +154,25 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
                                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
                                               int m_block, int h, int b, int split) {
   using namespace cute;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   const ConsumerThreads threads;
   const int tid = threads.index();
   const WgmmaTurns turns{tid / 128};
   const RowMap rows{1, h, p.seqlen_q};
   const int row0 = m_block * kBlockM;
 
-  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});    // (kBlockN, D, stage)
-  Tensor sVt = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutVt{});  // (D, kBlockN, stage)
-
-  typename Traits::TiledMmaS mma_s;
-  typename Traits::TiledMmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor tOrP = make_tensor<typename Traits::Element>(accumulator_as_a_operand(acc_s.layout()));
-  clear(acc_o);
-
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  auto [mma_s, mma_o, tSrQ, tSrK, tOrV, acc_s, acc_o, tOrP, tScS, tOcO] =
+      forward_fragments<Traits>(tid, storage.q.data(), storage.k.data(), storage.v.data());
   Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
-  constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
-  constexpr int kCols = decltype(size<1>(make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()))))::value;
 
-  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
-  const Policy policy(p, b, rows, row0, tScS);
-  typename Policy::TileInputs inputs;
-  SplitTileWalk<Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
+  const typename Traits::Policy policy(p, b, rows, row0, tScS);
+  typename Traits::Policy::TileInputs inputs;
+  SplitTileWalk<typename Traits::Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
   auto staged_bias = [&](int stage) { return stage_bias ? storage.bias.data() + stage * kBlockN : nullptr; };
-  OnlineSoftmax<kRows> softmax;
+  OnlineSoftmax<Traits::kRows> softmax;
   softmax.init();
-  float correction[kRows];
+  float correction[Traits::kRows];
   bool rescale_o = false;  // the last fold moved some row's reference max: O needs correction[]
 
   int n_block = tiles.first();

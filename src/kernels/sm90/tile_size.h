@@ -18,18 +18,31 @@ namespace flash_dmattn::kernels::sm90 {
 // warpgroups (240 each).
 enum class KvLoads { cp_async, tma_producer };
 
-constexpr sm80::ForwardTile forward_tile(int /*head_dim*/, KvLoads /*loads*/ = KvLoads::tma_producer) {
-  return {128, 64, 8, 1};
-}
+// Both ways of loading use the same tile: at block_n = 128 the warp-specialized kernel's
+// consumers spilled 1.8 KB per thread (ptxas, D = 128).
+constexpr sm80::ForwardTile forward_tile(int /*head_dim*/) { return {128, 64, 8, 1}; }
 
-// The backward: a CTA owns block_n = 128 keys, 64 per warpgroup (a wgmma is 64 rows tall, and
-// dK = dSᵀ·Q and dV = Pᵀ·dO have the keys as rows), and walks query tiles of block_m = 64 rows.
-// A thread holds 64 x D / 128 accumulators each of dK and dV, and 64 x 64 / 128 each of S and dP.
+// The backward: a CTA of two warpgroups owns a tile of block_n keys, whose dK and dV stay in
+// registers, and walks query tiles of block_m rows. A wgmma is 64 rows tall, and dK = dSᵀ·Q and
+// dV = Pᵀ·dO have the keys as rows. The warpgroups split the work one of two ways:
+//  - keys: 128-key tiles, 64 keys per warpgroup, 64-row query tiles. A thread holds 64 x D / 128
+//    accumulators each of dK and dV, and 32 each of S and dP; each warpgroup computes dQ for half
+//    the head dim.
+//  - query_rows: 64-key tiles, 128-row query tiles, 64 rows per warpgroup for S, dP and dQ; dK
+//    and dV split by head dim, 64 x D / 256 accumulators each per thread. Twice the dQ reductions
+//    and Q/dO loads of the other split per key, but half its dK/dV registers: at D = 128 the
+//    keys split needs more than a thread's 255 (ptxas: 5.3 KB of spill stores).
+enum class WarpgroupSplit { keys, query_rows };
+
 struct BackwardTile {
   int block_m, block_n, warpgroups;
   int ctas_per_sm;
+  WarpgroupSplit split;
 };
 
-constexpr BackwardTile backward_tile(int /*head_dim*/) { return {64, 128, 2, 1}; }
+constexpr BackwardTile backward_tile(int head_dim) {
+  if (head_dim <= 64) return {64, 128, 2, 1, WarpgroupSplit::keys};
+  return {128, 64, 2, 1, WarpgroupSplit::query_rows};
+}
 
 }  // namespace flash_dmattn::kernels::sm90

@@ -1,0 +1,43 @@
+// The wgmma state of a thread in a computing warpgroup of the sm90a forward, shared by both main
+// loops (fwd_mainloop.h, fwd_warp_specialized.h).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/sm90/fwd_traits.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+// tid: the thread's index among the computing warpgroups; q, k, v: the shared-memory tiles (K and
+// V with their stages). Returns, in this order: the MMAs of S = Q·Kᵀ and O += P·V; the operands Q,
+// K and V (K and V with a stage mode); the accumulators of S and of O (cleared); the registers of
+// P, S converted into the A operand of P·V; the (row, col) in the tile of each element of S and
+// of O the thread holds.
+template <typename Traits>
+__device__ __forceinline__ auto forward_fragments(int tid, typename Traits::Element* q, typename Traits::Element* k,
+                                                  typename Traits::Element* v) {
+  using namespace cute;
+  using TileS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  using TileO = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  typename Traits::TiledMmaS mma_s;
+  typename Traits::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor acc_s = partition_fragment_C(mma_s, TileS{});
+  Tensor acc_o = partition_fragment_C(mma_o, TileO{});
+  clear(acc_o);
+  Tensor coords_s = thr_s.partition_C(make_identity_tensor(TileS{}));
+  static_assert(decltype(size<0>(make_tensor(coords_s.data(), accumulator_as_rows_cols(coords_s.layout()))))::value ==
+                        Traits::kRows &&
+                    decltype(size<1>(make_tensor(coords_s.data(), accumulator_as_rows_cols(coords_s.layout()))))::value ==
+                        Traits::kCols,
+                "Traits::kRows and kCols describe a thread's part of the S accumulator");
+  return make_tuple(mma_s, mma_o, thr_s.partition_fragment_A(make_tensor(make_smem_ptr(q), typename Traits::SmemLayoutQ{})),
+                    thr_s.partition_fragment_B(make_tensor(make_smem_ptr(k), typename Traits::SmemLayoutK{})),
+                    thr_o.partition_fragment_B(make_tensor(make_smem_ptr(v), typename Traits::SmemLayoutVt{})), acc_s,
+                    acc_o, make_tensor<typename Traits::Element>(accumulator_as_a_operand(acc_s.layout())), coords_s,
+                    thr_o.partition_C(make_identity_tensor(TileO{})));
+}
+
+}  // namespace flash_dmattn::kernels::sm90
