@@ -84,19 +84,19 @@ __device__ __forceinline__ void score_gradients(const BackwardParams& p, int b, 
   finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
 }
 
-// The first of the two steps. acc_s: S of query tile row0 / kBlockM and key tile n_block for query head h, replaced by P;
-// replaced by P.
-template <int kBlockM, int kBlockN, int kRows, int kCols, typename AccS, typename Coords>
-__device__ __forceinline__ void probabilities(const BackwardParams& p, int b, int h, int row0, int n_block,
+// The first of the two steps. acc_s: S of query tile row0 / kBlockM and key tile n_block for
+// query head h, replaced by P; policy and in: that tile's MaskBiasPolicy and its load_inputs(),
+// which a main loop issues ahead of the S GEMM.
+template <int kRows, int kCols, typename Policy, typename AccS, typename Coords>
+__device__ __forceinline__ void probabilities(const Policy& policy, const typename Policy::TileInputs& in, int n_block,
                                               bool elementwise, const BackwardRowStats<kRows>& stats, AccS& acc_s,
                                               const Coords& coords, SoftcapGrads<kRows, kCols>& cap) {
   using namespace cute;
-  const ForwardParams& f = p.fwd;
-  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, coords);
   Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-  policy.apply(acc_s, coords, n_block, elementwise, [&](int r, int c, float z, float dcap) {
+  const bool capped = policy.softcap > 0.f;
+  policy.apply(acc_s, coords, n_block, elementwise, in, [&](int r, int c, float z, float dcap) {
     s(r, c) = exp2f(fmaf(z, kLog2e, -stats.lse_log2[r]));
-    if (f.softcap > 0.f) cap.dcap[r][c] = dcap;
+    if (capped) cap.dcap[r][c] = dcap;
   });
 }
 
