@@ -84,9 +84,9 @@ __device__ __forceinline__ void score_gradients(const BackwardParams& p, int b, 
   finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
 }
 
-// The first of the two steps. acc_s: S of query tile row0 / kBlockM and key tile n_block for
-// query head h, replaced by P; policy and in: that tile's MaskBiasPolicy and its load_inputs(),
-// which a main loop issues ahead of the S GEMM.
+// The first of the two steps. acc_s: S of key tile n_block and the query tile that `policy` was
+// built for, replaced by P; in: that tile's load_inputs(), which a main loop issues ahead of the
+// S GEMM.
 template <int kRows, int kCols, typename Policy, typename AccS, typename Coords>
 __device__ __forceinline__ void probabilities(const Policy& policy, const typename Policy::TileInputs& in, int n_block,
                                               bool elementwise, const BackwardRowStats<kRows>& stats, AccS& acc_s,

@@ -449,10 +449,10 @@ struct ActiveTileWalk {
   std::uint32_t active = 0, elementwise = 0;
 
   // The first tile at or below n that has a visible key, or -1.
-  template <typename Policy>
-  __device__ __forceinline__ int next_at_or_below(int n, const Policy& policy) {
+  template <typename Classifier>
+  __device__ __forceinline__ int next_at_or_below(int n, const Classifier& classifier) {
     while (n >= 0) {
-      if (n > chunk_top || n <= chunk_top - 32) load(n, policy);
+      if (n > chunk_top || n <= chunk_top - 32) load(n, classifier);
       const int lane = chunk_top - n;
       const std::uint32_t candidates = active & (~0u << lane);
       if (candidates) return chunk_top - (__ffs(candidates) - 1);
@@ -465,10 +465,10 @@ struct ActiveTileWalk {
   __device__ __forceinline__ bool needs_elementwise(int n) const { return (elementwise >> (chunk_top - n)) & 1u; }
 
  private:
-  template <typename Policy>
-  __device__ __forceinline__ void load(int top, const Policy& policy) {
+  template <typename Classifier>
+  __device__ __forceinline__ void load(int top, const Classifier& classifier) {
     const int lane = threadIdx.x % 32, n = top - lane;
-    const TileClass c = n >= 0 ? policy.classify(n) : TileClass{true, false};
+    const TileClass c = n >= 0 ? classifier.classify(n) : TileClass{true, false};
     chunk_top = top;
     active = __ballot_sync(0xffffffffu, !c.skip);
     elementwise = __ballot_sync(0xffffffffu, c.elementwise);
@@ -479,21 +479,21 @@ struct ActiveTileWalk {
 // descending order from the last one any row of the CTA can see.
 template <typename Classifier>
 struct SplitTileWalk {
-  const Classifier& policy;
+  const Classifier& classifier;
   ActiveTileWalk walk;
   int begin, end;
 
-  __device__ __forceinline__ SplitTileWalk(const Classifier& policy_, int key_tiles, int num_splits, int split)
-      : policy(policy_) {
+  __device__ __forceinline__ SplitTileWalk(const Classifier& classifier_, int key_tiles, int num_splits, int split)
+      : classifier(classifier_) {
     const int per_split = (key_tiles + num_splits - 1) / num_splits;
     begin = split * per_split;
     end = min(key_tiles, begin + per_split);
   }
 
-  __device__ __forceinline__ int first() { return at_or_below(min(policy.n_block_end(), end) - 1); }
+  __device__ __forceinline__ int first() { return at_or_below(min(classifier.n_block_end(), end) - 1); }
   // The first active tile of the share at or below n, or -1.
   __device__ __forceinline__ int at_or_below(int n) {
-    const int next = walk.next_at_or_below(n, policy);
+    const int next = walk.next_at_or_below(n, classifier);
     return next >= begin ? next : -1;
   }
   // Valid for the tile last returned, until the next call.

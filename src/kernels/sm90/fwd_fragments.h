@@ -28,10 +28,9 @@ __device__ __forceinline__ auto forward_fragments(int tid, typename Traits::Elem
   Tensor acc_o = partition_fragment_C(mma_o, TileO{});
   clear(acc_o);
   Tensor coords_s = thr_s.partition_C(make_identity_tensor(TileS{}));
-  static_assert(decltype(size<0>(make_tensor(coords_s.data(), accumulator_as_rows_cols(coords_s.layout()))))::value ==
-                        Traits::kRows &&
-                    decltype(size<1>(make_tensor(coords_s.data(), accumulator_as_rows_cols(coords_s.layout()))))::value ==
-                        Traits::kCols,
+  using RowsCols = decltype(accumulator_as_rows_cols(coords_s.layout()));
+  static_assert(decltype(size<0>(RowsCols{}))::value == Traits::kRows &&
+                    decltype(size<1>(RowsCols{}))::value == Traits::kCols,
                 "Traits::kRows and kCols describe a thread's part of the S accumulator");
   return make_tuple(mma_s, mma_o, thr_s.partition_fragment_A(make_tensor(make_smem_ptr(q), typename Traits::SmemLayoutQ{})),
                     thr_s.partition_fragment_B(make_tensor(make_smem_ptr(k), typename Traits::SmemLayoutK{})),

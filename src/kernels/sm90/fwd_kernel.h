@@ -37,11 +37,13 @@ struct TmaOperand {
   std::int64_t row_stride, head_stride, batch_stride;
 };
 
+// 16-bit elements in the 16 bytes that TMA and bulk copies align bases and strides to.
+inline constexpr std::int64_t kTmaVector = 8;
+
 // A dimension of extent 1 has no stride to speak of: it gets the one a packed tensor would have,
 // so that the check below does not turn away, say, a single head with an arbitrary head stride.
 inline void pack_unit_strides(TmaOperand& t, int head_dim, int batch) {
-  constexpr std::int64_t kVector = 8;  // 16 bytes of a 16-bit element
-  if (t.rows == 1) t.row_stride = (head_dim + kVector - 1) / kVector * kVector;
+  if (t.rows == 1) t.row_stride = (head_dim + kTmaVector - 1) / kTmaVector * kTmaVector;
   if (t.heads == 1) t.head_stride = t.row_stride * t.rows;
   if (batch == 1) t.batch_stride = t.head_stride * t.heads;
 }
@@ -49,8 +51,9 @@ inline void pack_unit_strides(TmaOperand& t, int head_dim, int batch) {
 // TMA reads a tensor through a 16-byte aligned base and strides that are positive multiples of 16
 // bytes (below 2^40 bytes).
 inline bool tma_addressable(const TmaOperand& t) {
-  constexpr std::int64_t kVector = 8;
-  auto usable = [](std::int64_t stride) { return stride > 0 && stride % kVector == 0 && stride < (std::int64_t(1) << 39); };
+  auto usable = [](std::int64_t stride) {
+    return stride > 0 && stride % kTmaVector == 0 && stride < (std::int64_t(1) << 39);
+  };
   return reinterpret_cast<std::uintptr_t>(t.ptr) % 16 == 0 && usable(t.row_stride) && usable(t.head_stride) &&
          usable(t.batch_stride);
 }
@@ -58,10 +61,9 @@ inline bool tma_addressable(const TmaOperand& t) {
 // Whether the producer can bulk-copy a tile's bias values (see ForwardTmaParams::stage_bias): 16-bit
 // values, one row shared by the query rows, every row and tile starting on 16 bytes.
 inline bool stageable_bias(const BroadcastOperand& bias, int seqlen_k) {
-  constexpr std::int64_t kVector = 8;  // 16-bit values in 16 bytes
   return bias.ptr && bias.type != ElementType::float32 && bias.row_stride == 0 && bias.col_stride == 1 &&
-         reinterpret_cast<std::uintptr_t>(bias.ptr) % 16 == 0 && bias.head_stride % kVector == 0 &&
-         bias.batch_stride % kVector == 0 && seqlen_k % kVector == 0;
+         reinterpret_cast<std::uintptr_t>(bias.ptr) % 16 == 0 && bias.head_stride % kTmaVector == 0 &&
+         bias.batch_stride % kTmaVector == 0 && seqlen_k % kTmaVector == 0;
 }
 
 template <typename Element, int kHeadDim>
