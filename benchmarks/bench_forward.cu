@@ -3,7 +3,10 @@
 // ../shared/reference/anchors.md with CUDA events (warm-up, then the median of many runs), and
 // reports dense-equivalent and visited-tile TFLOP/s separately.
 //
-//   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME] [--forward-only]
+//   flash_dmattn_bench_forward [--runs 30] [--json PATH] [--only NAME] [--forward-only] [--no-dbias]
+//
+// --no-dbias times the backward of a bias that takes no gradient (a frozen bias): what the bias
+// costs the backward apart from its gradient.
 //
 // On an sm_90 GPU the forward runs the sm90a kernels where they apply; FLASH_DMATTN_KERNELS=sm80
 // times the sm80 ones instead.
@@ -153,9 +156,9 @@ double median_ms(cudaStream_t stream, int runs, Launch launch) {
   return times[times.size() / 2];
 }
 
-// The backward of the call `f` describes (its out and lse already computed), with dbias, in
-// default and deterministic mode: {default ms, deterministic ms}.
-std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs& f, int runs) {
+// The backward of the call `f` describes (its out and lse already computed), with dbias unless
+// no_dbias, in default and deterministic mode: {default ms, deterministic ms}.
+std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs& f, int runs, bool no_dbias) {
   using bf16 = __nv_bfloat16;
   const std::int64_t nq = std::int64_t(w.B) * w.Sq * w.H * w.D, nk = std::int64_t(w.B) * w.Sk * w.Hk * w.D;
   bf16 *dout, *dq, *dk, *dv, *dbias;
@@ -180,7 +183,7 @@ std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs
   b.dq = fd::make_contiguous_view(dq, fd::DType::bfloat16, {w.B, w.Sq, w.H, w.D}, dev);
   b.dk = fd::make_contiguous_view(dk, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
   b.dv = fd::make_contiguous_view(dv, fd::DType::bfloat16, {w.B, w.Sk, w.Hk, w.D}, dev);
-  if (w.bias) b.dbias = fd::make_contiguous_view(dbias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
+  if (w.bias && !no_dbias) b.dbias = fd::make_contiguous_view(dbias, fd::DType::bfloat16, {w.B, w.Hk, 1, w.Sk}, dev);
   const auto stream = static_cast<cudaStream_t>(f.options.stream);
   double ms[2] = {0, 0};
   for (const bool deterministic : {false, true}) {
@@ -196,7 +199,7 @@ std::pair<double, double> time_backward(const Workload& w, const fd::ForwardArgs
   return {ms[0], ms[1]};
 }
 
-Result run(const Workload& w, int runs, bool forward_only) {
+Result run(const Workload& w, int runs, bool forward_only, bool no_dbias) {
   using bf16 = __nv_bfloat16;
   const std::int64_t nq = std::int64_t(w.B) * w.Sq * w.H * w.D, nk = std::int64_t(w.B) * w.Sk * w.Hk * w.D;
   bf16 *q, *k, *v, *out, *bias;
@@ -238,7 +241,7 @@ Result run(const Workload& w, int runs, bool forward_only) {
   a.workspace.bytes = ws_bytes;
 
   const double ms = median_ms(stream, runs, [&] { fd::throw_if_error(fd::forward(a)); });
-  const auto [bwd_ms, bwd_deterministic_ms] = w.backward && !forward_only ? time_backward(w, a, runs) : std::pair<double, double>{0, 0};
+  const auto [bwd_ms, bwd_deterministic_ms] = w.backward && !forward_only ? time_backward(w, a, runs, no_dbias) : std::pair<double, double>{0, 0};
   const double dense = 4.0 * w.B * w.H * double(w.Sq) * w.Sk * w.D * (w.causal ? 0.5 : 1.0);
   const double visited = visited_tile_flops(w);
   const auto tile = forward_tile(w);
@@ -257,14 +260,16 @@ int main(int argc, char** argv) {
   int runs = 30;
   const char* json = nullptr;
   const char* only = nullptr;
-  bool forward_only = false;
+  bool forward_only = false, no_dbias = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--forward-only")) forward_only = true;
+    else if (!std::strcmp(argv[i], "--no-dbias")) no_dbias = true;
     else {
-      std::fprintf(stderr, "usage: flash_dmattn_bench_forward [--runs N] [--json PATH] [--only NAME] [--forward-only]\n");
+      std::fprintf(stderr,
+                   "usage: flash_dmattn_bench_forward [--runs N] [--json PATH] [--only NAME] [--forward-only] [--no-dbias]\n");
       return 2;
     }
   }
@@ -274,7 +279,7 @@ int main(int argc, char** argv) {
   std::vector<Result> results;
   for (const Workload& w : kWorkloads) {
     if (only && std::strcmp(only, w.name) != 0) continue;
-    results.push_back(run(w, runs, forward_only));
+    results.push_back(run(w, runs, forward_only, no_dbias));
   }
   std::printf("flash_dmattn forward, %s, bf16, median of %d runs (CUDA events)\n", prop.name, runs);
   std::printf("%-24s %7s %10s %14s %16s %12s %10s %10s %10s %10s\n", "workload", "kernels", "fwd ms", "dense TFLOP/s",

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <type_traits>
 
 namespace flash_dmattn::kernels {
 
@@ -25,21 +26,24 @@ struct GmemRowCopies {
 
 // Copies a (rows, head dim) tile from global to shared memory with cp.async. Rows at or past
 // `valid_rows` and head-dim columns at or past `head_dim` are zero-filled instead: zero K rows
-// and columns add nothing to Q·Kᵀ, and zero V rows keep P·V finite where P is 0.
-template <typename TiledCopy, typename TensorS, typename TensorD, typename TensorC>
-__device__ __forceinline__ void copy_rows_async(const TiledCopy& tiled_copy, const TensorS& src, TensorD&& dst, const TensorC& coords,
-                                int valid_rows, int head_dim) {
+// and columns add nothing to Q·Kᵀ, and zero V rows keep P·V finite where P is 0. One cp.async
+// per vector either way: a vector outside the tile copies 0 source bytes (src-size 0 reads
+// nothing) and zero-fills its 16. Zeroing them with separate stores instead put 7 more
+// instructions per vector into the sm90a backward's loop (ncu, D = 128), where every issue slot counts.
+// src, dst, coords: a thread's vectors as a tiled copy partitions them, (vector, rows, cols).
+template <typename TensorS, typename TensorD, typename TensorC>
+__device__ __forceinline__ void copy_rows_async(const TensorS& src, TensorD&& dst, const TensorC& coords, int valid_rows,
+                                                int head_dim) {
   using namespace cute;
+  using Element = typename std::decay_t<TensorS>::value_type;
+  static_assert(sizeof(Element) * decltype(size<0>(src))::value == 16, "one 16-byte vector per copy");
+  const Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element> zfill;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
     const bool row_ok = get<0>(coords(0, m, 0)) < valid_rows;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(src); ++k) {
-      if (row_ok && get<1>(coords(0, m, k)) < head_dim) {
-        copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      } else {
-        clear(dst(_, m, k));
-      }
+      copy(zfill.with(row_ok && get<1>(coords(0, m, k)) < head_dim), src(_, m, k), dst(_, m, k));
     }
   }
 }

@@ -65,7 +65,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto load_q_do = [&](int head, int m_block, int stage) {
-    copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, head, m_block, gmem_copy, gmem_thr,
+    copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, head, m_block, gmem_thr,
                                                  at_stage(tQsQ, stage, kQElems), at_stage(tdOsdO, stage, kQElems), tQcQ);
   };
 
@@ -130,7 +130,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
-  copy_k_v_async<Element, kBlockN, kHeadDim>(p, b, kv_h, n_block, gmem_copy, gmem_thr, gmem_thr.partition_D(sK),
+  copy_k_v_async<Element, kBlockN, kHeadDim>(p, b, kv_h, n_block, gmem_thr, gmem_thr.partition_D(sK),
                                              gmem_thr.partition_D(sV), tKVcKV);
 
   // With two stages, a query head's first tile loads into the stage its predecessor did not read last.

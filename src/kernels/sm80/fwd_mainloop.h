@@ -89,7 +89,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   softmax.init();
 
   auto load_kv = [&](auto& src, auto& dst, int n_block) {
-    copy_rows_async(gmem_copy, src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    copy_rows_async(src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
   };
 
   copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {

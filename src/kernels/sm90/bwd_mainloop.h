@@ -70,7 +70,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
         make_tensor(make_smem_ptr(at.q), typename Traits::SmemLayoutQ{})));  // (CPY, rows, cols, stage)
     Tensor tdOsdO = gmem_thr.partition_D(as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(at.dout), typename Traits::SmemLayoutQ{})));
-    copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, head, m_block, gmem_copy, gmem_thr, tQsQ(_, _, _, stage),
+    copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, head, m_block, gmem_thr, tQsQ(_, _, _, stage),
                                                  tdOsdO(_, _, _, stage), tQcQ);
     cp_async_fence();
   };
@@ -118,7 +118,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
   copy_k_v_async<Element, kBlockN, kHeadDim>(
-      p, b, kv_h, n_block, gmem_copy, gmem_thr,
+      p, b, kv_h, n_block, gmem_thr,
       gmem_thr.partition_D(as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(buffers.k), typename Traits::SmemLayoutK{}))),
       gmem_thr.partition_D(as_position_independent_swizzle_tensor(

@@ -74,11 +74,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   float correction[Traits::kRows];
 
   auto load = [&](auto& src, auto& dst, int n_block, int stage) {
-    copy_rows_async(gmem_copy, src(_, _, _, n_block), dst(_, _, _, stage), tKVcKV, p.seqlen_k - n_block * kBlockN,
+    copy_rows_async(src(_, _, _, n_block), dst(_, _, _, stage), tKVcKV, p.seqlen_k - n_block * kBlockN,
                     p.head_dim);
   };
 
-  copy_rows_async(gmem_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+  copy_rows_async(tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
   int n_block = tiles.first();
   if (n_block >= 0) load(tKgK, tKsK, n_block, 0);
   cp_async_fence();
