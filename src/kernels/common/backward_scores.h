@@ -2,8 +2,9 @@
 // families: from S = Q·Kᵀ and dP = dO·Vᵀ in the accumulators to P = exp(z - LSE) in S's registers
 // and dS in dP's, adding dZ = P∘(dP - Δ) to dBias on the way:
 //   z = softcap(scale·S) + bias, -inf where hidden;  dZ = P∘(dP - Δ);  dS = dZ·(1 - tanh²).
-// In one pass over the elements when S and dP are both at hand (score_gradients), or in two
-// steps, so that a main loop may compute dP after P (probabilities, then score_gradients_from_p).
+// In one pass over the elements when S and dP are both at hand (score_gradients), or in steps,
+// so that a main loop may compute dP after P and act between dZ and dS (probabilities, then
+// logit_gradients_from_p, then apply_softcap_grads).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -54,18 +55,16 @@ struct SoftcapGrads {
   float dcap[kRows][kCols];
 };
 
-// dZ -> dBias, then dS = dZ·dcap in dZ's registers.
-template <int kBlockN, int kRows, int kCols, typename TensorZ, typename CoordsRC, typename DBias>
-__device__ __forceinline__ void finish_score_gradients(const BackwardParams& p, int h, int row0, int n_block, TensorZ& dz,
-                                                       const CoordsRC& coords_rc, const SoftcapGrads<kRows, kCols>& cap,
-                                                       DBias& dbias) {
-  const ForwardParams& f = p.fwd;
-  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, f.seqlen_q, f.seqlen_k);
-  if (f.softcap > 0.f) {
+// dS = dZ·dcap in the registers of dz, an MMA accumulator, under softcap (dS = dZ without).
+template <int kRows, int kCols, typename TensorZ>
+__device__ __forceinline__ void apply_softcap_grads(float softcap, TensorZ& dz, const SoftcapGrads<kRows, kCols>& cap) {
+  using namespace cute;
+  if (softcap > 0.f) {
+    Tensor rc = make_tensor(dz.data(), accumulator_as_rows_cols(dz.layout()));
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) dz(r, c) *= cap.dcap[r][c];
+      for (int c = 0; c < kCols; ++c) rc(r, c) *= cap.dcap[r][c];
     }
   }
 }
@@ -93,7 +92,8 @@ __device__ __forceinline__ void score_gradients(const BackwardParams& p, int b, 
     dz(r, c) = prob * (dz(r, c) - stats.dsum[r]);
     cap.dcap[r][c] = dcap;
   });
-  finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
+  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, f.seqlen_q, f.seqlen_k);
+  apply_softcap_grads(f.softcap, acc_dp, cap);
 }
 
 // The first of the two steps. acc_s: S of key tile n_block and the query tile that `policy` was
@@ -114,22 +114,24 @@ __device__ __forceinline__ void probabilities(const Policy& policy, const typena
   });
 }
 
-// acc_p: P from probabilities(); acc_dp: dP of the same tile, replaced by dS once dBias has read dZ.
-template <int kBlockN, int kRows, int kCols, typename AccS, typename Coords, typename DBias>
-__device__ __forceinline__ void score_gradients_from_p(const BackwardParams& p, int h, int row0, int n_block,
+// The second: acc_p: P from probabilities(); acc_dp: dP of the same tile, replaced by dZ, which
+// dBias reads. apply_softcap_grads() then makes it dS.
+template <int kBlockN, int kRows, typename AccS, typename Coords, typename DBias>
+__device__ __forceinline__ void logit_gradients_from_p(const BackwardParams& p, int h, int row0, int n_block,
                                                        const BackwardRowStats<kRows>& stats, const AccS& acc_p,
-                                                       AccS& acc_dp, const Coords& coords,
-                                                       const SoftcapGrads<kRows, kCols>& cap, DBias& dbias) {
+                                                       AccS& acc_dp, const Coords& coords, DBias& dbias) {
   using namespace cute;
+  const ForwardParams& f = p.fwd;
   Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
   Tensor prob = make_tensor(acc_p.data(), accumulator_as_rows_cols(acc_p.layout()));
   Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+  constexpr int kCols = decltype(size<1>(dz))::value;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) dz(r, c) = prob(r, c) * (dz(r, c) - stats.dsum[r]);
   }
-  finish_score_gradients<kBlockN>(p, h, row0, n_block, dz, coords_rc, cap, dbias);
+  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, f.seqlen_q, f.seqlen_k);
 }
 
 }  // namespace flash_dmattn::kernels

@@ -2,8 +2,9 @@
 //
 // Each thread adds the dZ of the accumulator elements it holds, in the shape the bias asks for
 // (BiasGradKind): a whole element, or a per-key column sum (bias query dim 1). Column sums are
-// reduced across the CTA through shared memory in a fixed order (shuffles, then warps in index
-// order), so the result is bitwise reproducible. Accumulation across CTAs uses reductions, into
+// kept by a ColumnSums policy (RegisterColumnSums below, or the sm90a kernel's tensor-core sums)
+// and reduced across the CTA through shared memory in a fixed order, so the result is bitwise
+// reproducible. Accumulation across CTAs uses reductions, into
 // one shared slot by default or into a slot per CTA in deterministic mode. A bias with key dim 1
 // never gets here: its gradient is exactly 0.
 #pragma once
@@ -16,28 +17,65 @@
 
 namespace flash_dmattn::kernels {
 
-// kCols: the columns of the accumulator's rows/cols view that a thread holds. kWarpsM: the warp
-// rows of the S = Q·Kᵀ GEMM (warp w sits at row w % kWarpsM).
-template <int kBlockM, int kBlockN, int kCols, int kWarpsM, int kThreads>
+// Per-key sums of dZ in the registers of the threads that hold the elements. kCols: the columns
+// of the accumulator's rows/cols view that a thread holds. kWarpsM: the warp rows of the
+// S = Q·Kᵀ GEMM (warp w sits at row w % kWarpsM), each of which leaves one partial per key.
+template <int kBlockN, int kCols, int kWarpsM>
+struct RegisterColumnSums {
+  static constexpr int kPartials = kWarpsM;
+  float col_sum[kCols];  // this thread's part of the current bias head's key sums
+
+  __device__ __forceinline__ RegisterColumnSums() { clear(); }
+
+  __device__ __forceinline__ void clear() {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) col_sum[c] = 0.f;
+  }
+
+  // dz: the thread's accumulator in its (rows, cols) view.
+  template <typename TensorZ>
+  __device__ __forceinline__ void add(const TensorZ& dz) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < decltype(size<0>(dz))::value; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) col_sum[c] += dz(r, c);
+    }
+  }
+
+  // Writes partial w of key j to reduce[w * kBlockN + j] and starts over. coords_rc: the (row,
+  // col) in the tile of the thread's elements, in the rows/cols view.
+  template <typename TensorC>
+  __device__ __forceinline__ void deposit(const TensorC& coords_rc, float* reduce) {
+    const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 % kWarpsM;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      float x = col_sum[c];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (lane / 4 == 0) reduce[warp_m * kBlockN + cute::get<1>(coords_rc(0, c))] = x;
+    }
+    clear();
+  }
+};
+
+// ColumnSums: how the per-key sums of a bias with query dim 1 are kept, with kPartials,
+// add(dz) (what a tile's elements contribute from registers) and deposit(coords_rc, reduce).
+template <int kBlockM, int kBlockN, int kThreads, typename ColumnSums>
 struct BiasGradTile {
   // A plain copy: taking the address of the __grid_constant__ parameters would move every access
   // to generic memory (fields used only on rare paths are re-read from parameter space).
   BiasGrad g;
   std::int64_t slot_base;  // this CTA's accumulator slot
   int batch;
-  float col_sum[kCols];  // columns: this thread's part of the current bias head's key sums
+  ColumnSums columns;
 
   __device__ __forceinline__ BiasGradTile(const BackwardParams& p, int b, int kv_head)
       : g(p.dbias), batch(b) {
     const int batch_slot = g.batch_slots > 1 ? b : 0;
     const int kv_slot = kv_head % g.kv_slots;
     slot_base = (std::int64_t(batch_slot) * g.kv_slots + kv_slot) * g.accum_slot_stride;
-    clear_columns();
-  }
-
-  __device__ __forceinline__ void clear_columns() {
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) col_sum[c] = 0.f;
   }
 
   __device__ __forceinline__ std::int64_t accum_offset(int head, int i, int j) const {
@@ -58,12 +96,9 @@ struct BiasGradTile {
                                            int seqlen_q, int seqlen_k) {
     using namespace cute;
     constexpr int kRows = decltype(size<0>(dz))::value;
+    constexpr int kCols = decltype(size<1>(dz))::value;
     if (g.kind == BiasGradKind::columns) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) col_sum[c] += dz(r, c);
-      }
+      columns.add(dz);
       return;
     }
     if (g.kind != BiasGradKind::elements) return;
@@ -107,22 +142,13 @@ struct BiasGradTile {
   __device__ __forceinline__ void flush_columns(const TensorC& coords_rc, float* reduce, int head, int n_begin,
                                                 int seqlen_k) {
     if (g.kind != BiasGradKind::columns) return;
-    const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 % kWarpsM;
     __syncthreads();  // the reduce buffer is free
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
-      float x = col_sum[c];
-      x += __shfl_xor_sync(0xffffffffu, x, 4);
-      x += __shfl_xor_sync(0xffffffffu, x, 8);
-      x += __shfl_xor_sync(0xffffffffu, x, 16);
-      if (lane / 4 == 0) reduce[warp_m * kBlockN + cute::get<1>(coords_rc(0, c))] = x;
-    }
-    clear_columns();
+    columns.deposit(coords_rc, reduce);
     __syncthreads();
     for (int j = threadIdx.x; j < kBlockN; j += kThreads) {
       if (n_begin + j >= seqlen_k) continue;
       float x = 0.f;
-      for (int w = 0; w < kWarpsM; ++w) x += reduce[w * kBlockN + j];
+      for (int w = 0; w < ColumnSums::kPartials; ++w) x += reduce[w * kBlockN + j];
       if (g.direct) {
         store_rounded(g.type, g.out, batch * g.batch_stride + (head / g.head_divisor) * g.head_stride + n_begin + j, x);
       } else if (x != 0.f) {

@@ -126,7 +126,8 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-  BiasGradTile<kBlockM, kBlockN, kCols, Traits::kSdpWarpsM, Traits::kNThreads> dbias(p, b, kv_h);
+  BiasGradTile<kBlockM, kBlockN, Traits::kNThreads, RegisterColumnSums<kBlockN, kCols, Traits::kSdpWarpsM>> dbias(
+      p, b, kv_h);
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();

@@ -19,22 +19,24 @@
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
+#include "kernels/sm90/bias_grad_mma.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/wgmma.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
 // The shared-memory buffers, carved from `base` in this order: Q and dO (two stages each), K, V,
-// P, dS, then the dbias reduction buffer.
+// P, dS, dZ (softcap with per-key dbias sums), the ones of the dbias MMA, then the dbias
+// reduction buffer. Every operand starts on a multiple of 1 KB, as its swizzle needs.
 template <typename Traits>
 struct BackwardSmem {
   using Element = typename Traits::Element;
-  Element *q, *dout, *k, *v, *p, *ds;
+  Element *q, *dout, *k, *v, *p, *ds, *dz, *ones;
   float* reduce;
   __device__ __forceinline__ explicit BackwardSmem(char* base)
       : q(reinterpret_cast<Element*>(base)), dout(q + Traits::kQElems), k(dout + Traits::kQElems),
-        v(k + Traits::kKElems), p(v + Traits::kVElems), ds(p + Traits::kPdSElems),
-        reduce(reinterpret_cast<float*>(ds + Traits::kPdSElems)) {}
+        v(k + Traits::kKElems), p(v + Traits::kVElems), ds(p + Traits::kPdSElems), dz(ds + Traits::kPdSElems),
+        ones(dz + Traits::kPdSElems), reduce(reinterpret_cast<float*>(ones + Traits::kOnesElems)) {}
 };
 
 // `base` as something the compiler must take as new, so that the shared-memory addresses and
@@ -113,10 +115,13 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-  BiasGradTile<kBlockM, kBlockN, kCols, Traits::kSdpWarpsM, Traits::kNThreads> dbias(p, b, kv_h);
+  BiasGradTile<kBlockM, kBlockN, Traits::kNThreads, MmaColumnSums<Traits>> dbias(p, b, kv_h);
+  const bool dbias_columns = dbias.g.kind == BiasGradKind::columns;
+  const bool softcap = f.softcap > 0.f;
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
+  for (int i = tid; i < Traits::kOnesElems; i += Traits::kNThreads) buffers.ones[i] = Element(1.f);
   copy_k_v_async<Element, kBlockN, kHeadDim>(
       p, b, kv_h, n_block, gmem_thr,
       gmem_thr.partition_D(as_position_independent_swizzle_tensor(
@@ -168,7 +173,14 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dp);
     // dS replaces dP; dBias reads dZ on the way.
-    score_gradients_from_p<kBlockN>(p, h, row0, n_block, stats, acc_s, acc_dp, tScS, cap, dbias);
+    logit_gradients_from_p<kBlockN>(p, h, row0, n_block, stats, acc_s, acc_dp, tScS, dbias);
+    if (dbias_columns && softcap) {
+      // The dbias MMA reads dZ, which dS is not here.
+      Tensor dz_values = convert_fragment<Element>(acc_dp);
+      copy(copy_pds, thr_pds.retile_S(dz_values), thr_pds.partition_D(as_position_independent_swizzle_tensor(
+                                                      make_tensor(make_smem_ptr(at.dz), typename Traits::SmemLayoutPdS{}))));
+    }
+    apply_softcap_grads(f.softcap, acc_dp, cap);
     Tensor ds_values = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
     // dQ (keys split) or dK and dV (query-rows split) read what both warpgroups wrote: all of P
@@ -178,9 +190,10 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
 
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+    if (dbias_columns) dbias.columns.issue(softcap ? at.dz : at.ds, at.ones);
     wgmma_issue<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
     wgmma_issue<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
-    warpgroup_wait<2>();  // dQ; dV and dK may still run while it is reduced
+    warpgroup_wait<2>();  // dQ (and dbias); dV and dK may still run while dQ is reduced
     warpgroup_fence_operand(acc_dq);
     accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
     warpgroup_wait<0>();

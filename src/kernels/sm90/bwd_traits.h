@@ -54,6 +54,12 @@ struct BackwardTraits {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       ByQueryTile{}));
 
+  // dBias sums of a bias shared by the query rows (bias_grad_mma.h): (64 keys, 8) over a
+  // warpgroup's 64 query rows, dZᵀ by ones, one warpgroup per MMA.
+  using TiledMmadBias = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::_64>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::K>()));
+
   // Q and dO: (kBlockM, D, stage), the K-major A operands of S and dP; the same bytes viewed as
   // (D, kBlockM, stage) are the MN-major B operands of dK and dV, of which a warpgroup may read
   // some of the head-dim columns: the swizzle atom is at most that wide, so that they start on one.
@@ -80,6 +86,10 @@ struct BackwardTraits {
       SmemLayoutPdSt{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{},
                                           cute::make_stride(cute::Int<kBlockN>{}, cute::_1{}))));
 
+  // The ones of the dBias MMA: (8, 64), K-major.
+  using SmemLayoutOnes = decltype(cute::tile_to_shape(smem_atom<Element, 64, cute::GMMA::Major::K>(),
+                                                      cute::Shape<cute::_8, cute::_64>{}));
+
   // P and dS go to shared memory by stmatrix: four 8 x 8 blocks per instruction.
   using SmemCopyAtomPdS = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
   // Global -> shared: 16-byte vectors across rows of up to 64 elements.
@@ -89,11 +99,13 @@ struct BackwardTraits {
   static constexpr int kQElems = static_cast<int>(cute::cosize(SmemLayoutQ{}));  // both stages
   static constexpr int kKElems = static_cast<int>(cute::cosize(SmemLayoutK{}));
   static constexpr int kVElems = static_cast<int>(cute::cosize(SmemLayoutV{}));
-  static constexpr int kPdSElems = static_cast<int>(cute::cosize(SmemLayoutPdSt{}));
-  // The CTA-wide reduction of dbias column sums: one float per (key, warp row).
+  static constexpr int kPdSElems = static_cast<int>(cute::cosize(SmemLayoutPdSt{}));  // also dZ's, under softcap
+  static constexpr int kOnesElems = static_cast<int>(cute::cosize(SmemLayoutOnes{}));
+  // The CTA-wide reduction of dbias column sums: one float per (key, partial), at most one
+  // partial per warp row of S.
   static constexpr int kReduceFloats = kBlockN * kSdpWarpsM;
   static constexpr int kSmemBytes =
-      static_cast<int>((2 * kQElems + kKElems + kVElems + 2 * kPdSElems) * sizeof(Element)) +
+      static_cast<int>((2 * kQElems + kKElems + kVElems + 3 * kPdSElems + kOnesElems) * sizeof(Element)) +
       kReduceFloats * static_cast<int>(sizeof(float));
 };
 
