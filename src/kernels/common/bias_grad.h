@@ -4,9 +4,9 @@
 // (BiasGradKind): a whole element, or a per-key column sum (bias query dim 1). Column sums are
 // kept by a ColumnSums policy (RegisterColumnSums below, or the sm90a kernel's tensor-core sums)
 // and reduced across the CTA through shared memory in a fixed order, so the result is bitwise
-// reproducible. Accumulation across CTAs uses reductions, into
-// one shared slot by default or into a slot per CTA in deterministic mode. A bias with key dim 1
-// never gets here: its gradient is exactly 0.
+// reproducible. Accumulation across CTAs uses reductions, into one shared slot by default or
+// into a slot per CTA in deterministic mode. A bias with key dim 1 never gets here: its gradient
+// is exactly 0.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -24,8 +24,8 @@ struct MmaColumnSums {
   using Mma = typename Traits::TiledMmadBias;
   static constexpr int kBlockN = Traits::kBlockN;
   // A warpgroup sums the 64 keys and 64 query rows of S it computed: its own keys (keys split),
-  // or every key over its own rows (query-rows split), whose two partials are added at the end.
-  static constexpr int kPartials = Traits::kSplitKeys ? 1 : Traits::kWarpgroups;
+  // or every key over its own rows (query-rows split), whose partials are added at the end.
+  static constexpr int kPartials = Traits::kColumnPartials;
   using Acc = decltype(cute::partition_fragment_C(Mma{}, cute::Shape<cute::_64, cute::_8>{}));
   Acc acc;
   // acc holds no sum yet: the next MMA overwrites it. Clearing it with ordinary instructions

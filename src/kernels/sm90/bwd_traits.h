@@ -25,8 +25,6 @@ struct BackwardTraits {
   static constexpr bool kSplitKeys = kTile.split == WarpgroupSplit::keys;
   static_assert(kSplitKeys ? kBlockM == 64 && kBlockN == 64 * kWarpgroups : kBlockM == 64 * kWarpgroups && kBlockN == 64,
                 "a warpgroup per 64 keys (keys split) or per 64 query rows (query-rows split)");
-  // Warps along the query rows of S: a warpgroup's four, or both warpgroups' eight.
-  static constexpr int kSdpWarpsM = kSplitKeys ? 4 : 4 * kWarpgroups;
   // The head-dim columns of one warpgroup's dK and dV, and of its dQ.
   static constexpr int kDkvCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
   static constexpr int kDqCols = kSplitKeys ? kHeadDim / kWarpgroups : kHeadDim;
@@ -101,9 +99,11 @@ struct BackwardTraits {
   static constexpr int kVElems = static_cast<int>(cute::cosize(SmemLayoutV{}));
   static constexpr int kPdSElems = static_cast<int>(cute::cosize(SmemLayoutPdSt{}));  // also dZ's, under softcap
   static constexpr int kOnesElems = static_cast<int>(cute::cosize(SmemLayoutOnes{}));
-  // The CTA-wide reduction of dbias column sums: one float per (key, partial), at most one
-  // partial per warp row of S.
-  static constexpr int kReduceFloats = kBlockN * kSdpWarpsM;
+  // The per-key dBias sums (bias_grad_mma.h) leave one partial per warpgroup that sums the same
+  // keys: one (keys split), or one per warpgroup (query-rows split). The CTA-wide reduction of
+  // them takes one float per (key, partial).
+  static constexpr int kColumnPartials = kSplitKeys ? 1 : kWarpgroups;
+  static constexpr int kReduceFloats = kBlockN * kColumnPartials;
   static constexpr int kSmemBytes =
       static_cast<int>((2 * kQElems + kKElems + kVElems + 3 * kPdSElems + kOnesElems) * sizeof(Element)) +
       kReduceFloats * static_cast<int>(sizeof(float));
