@@ -74,17 +74,18 @@ __device__ __forceinline__ float* dq_accum_rows(const BackwardParams& p, int b, 
                           std::int64_t(f.seqlen_q) * f.head_dim;
 }
 
-// Launches a backward kernel of Traits over that grid on `stream`, with the dynamic shared
-// memory its tiles take.
-template <typename Traits>
-cudaError_t launch_backward(void (*kernel)(BackwardParams), const BackwardParams& p, cudaStream_t stream) {
+// Launches a backward kernel of Traits for `p` over that grid on `stream`, with the dynamic shared
+// memory its tiles take; the kernel takes `args` (p, or p and more).
+template <typename Traits, typename KernelArgs>
+cudaError_t launch_backward(void (*kernel)(KernelArgs), const KernelArgs& args, const BackwardParams& p,
+                            cudaStream_t stream) {
   constexpr int kSmem = Traits::kSmemBytes;
   const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
   if (status != cudaSuccess) return status;
   const int key_tiles = (p.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (key_tiles == 0) return cudaSuccess;
   const dim3 grid(p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch);
-  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(p);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
   using Traits = BackwardTraits<Element, kHeadDim>;
-  return launch_backward<Traits>(&backward_kernel<Traits>, params, stream);
+  return launch_backward<Traits>(&backward_kernel<Traits>, params, params, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

@@ -5,7 +5,8 @@
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P = exp(z - LSE), dZ = P∘(dP - Δ) (-> dBias), dS = dZ·(1 - tanh²)
 //   ->  dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ = dS·K (reduced into the workspace)
 // Every GEMM reads its operands from shared memory; P and dS get there in the input dtype. The
-// next query tile's Q and dO load by cp.async behind the math, into the other of two stages.
+// next query tile's Q and dO load behind the math (TMA or cp.async, bwd_q_do_loads.h), into the
+// other of two stages.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,23 +21,27 @@
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
 #include "kernels/sm90/bias_grad_mma.h"
+#include "kernels/sm90/bwd_q_do_loads.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/wgmma.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
 // The shared-memory buffers, carved from `base` in this order: Q and dO (two stages each), K, V,
-// P, dS, dZ (softcap with per-key dbias sums), the ones of the dbias MMA, then the dbias
-// reduction buffer. Every operand starts on a multiple of 1 KB, as its swizzle needs.
+// P, dS, dZ (softcap with per-key dbias sums), the ones of the dbias MMA, the dbias reduction
+// buffer, then the Q/dO stages' mbarriers. Every operand starts on a multiple of 1 KB, as its
+// swizzle needs.
 template <typename Traits>
 struct BackwardSmem {
   using Element = typename Traits::Element;
   Element *q, *dout, *k, *v, *p, *ds, *dz, *ones;
   float* reduce;
+  std::uint64_t* q_do_loaded;
   __device__ __forceinline__ explicit BackwardSmem(char* base)
       : q(reinterpret_cast<Element*>(base)), dout(q + Traits::kQElems), k(dout + Traits::kQElems),
         v(k + Traits::kKElems), p(v + Traits::kVElems), ds(p + Traits::kPdSElems), dz(ds + Traits::kPdSElems),
-        ones(dz + Traits::kPdSElems), reduce(reinterpret_cast<float*>(ones + Traits::kOnesElems)) {}
+        ones(dz + Traits::kPdSElems), reduce(reinterpret_cast<float*>(ones + Traits::kOnesElems)),
+        q_do_loaded(reinterpret_cast<std::uint64_t*>(base + Traits::kBarrierOffset)) {}
 };
 
 // `base` as something the compiler must take as new, so that the shared-memory addresses and
@@ -49,8 +54,8 @@ __device__ __forceinline__ char* opaque(char* base) {
 }
 
 template <typename Traits>
-__device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block, int kv_h, int b,
-                                                  int split) {
+__device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOStages<Traits>& q_do_stages, char* smem,
+                                                  int n_block, int kv_h, int b, int split) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -68,6 +73,10 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto load_q_do = [&](int head, int m_block, int stage) CUTLASS_LAMBDA_FUNC_INLINE {
     const BackwardSmem<Traits> at(opaque(smem));
+    if (q_do_stages.tma()) {
+      q_do_stages.load(b, head, m_block, stage, at.q, at.dout);
+      return;
+    }
     Tensor tQsQ = gmem_thr.partition_D(as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(at.q), typename Traits::SmemLayoutQ{})));  // (CPY, rows, cols, stage)
     Tensor tdOsdO = gmem_thr.partition_D(as_position_independent_swizzle_tensor(
@@ -153,6 +162,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
         make_tensor(make_smem_ptr(at.ds), typename Traits::SmemLayoutPdS{})));
     // Q and dO (and K, V) landed; every warpgroup's GEMMs of the last tile, which read the other
     // stage, P and dS, completed.
+    if (q_do_stages.tma()) q_do_stages.wait(stage);
     await_tiles();
     if (next >= 0) load_q_do(h, next, stage ^ 1);
 

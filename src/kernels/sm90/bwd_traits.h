@@ -4,11 +4,13 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/common/tile_copy.h"
 #include "kernels/sm90/smem_atom.h"
 #include "kernels/sm90/tile_size.h"
+#include "kernels/sm90/tma_rows.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
@@ -104,9 +106,15 @@ struct BackwardTraits {
   // them takes one float per (key, partial).
   static constexpr int kColumnPartials = kSplitKeys ? 1 : kWarpgroups;
   static constexpr int kReduceFloats = kBlockN * kColumnPartials;
-  static constexpr int kSmemBytes =
+  // Then an mbarrier per Q/dO stage (bwd_q_do_loads.h).
+  static constexpr int kBarrierOffset =
       static_cast<int>((2 * kQElems + kKElems + kVElems + 3 * kPdSElems + kOnesElems) * sizeof(Element)) +
       kReduceFloats * static_cast<int>(sizeof(float));
+  static_assert(kBarrierOffset % 8 == 0, "mbarriers are 8-byte aligned");
+  static constexpr int kSmemBytes = kBarrierOffset + kStages * static_cast<int>(sizeof(std::uint64_t));
+
+  // TMA loads of one Q or dO stage, when TMA can address both (bwd_kernel.h).
+  using TmaQdO = TmaRows<Element, decltype(cute::take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
 };
 
 }  // namespace flash_dmattn::kernels::sm90

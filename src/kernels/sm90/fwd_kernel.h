@@ -11,6 +11,7 @@
 #include "kernels/params.h"
 #include "kernels/sm90/fwd_mainloop.h"
 #include "kernels/sm90/fwd_warp_specialized.h"
+#include "kernels/sm90/tma_rows.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
@@ -28,34 +29,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ __align__(1024) char smem[];
   const ForwardCta cta = forward_cta(params.p);
   forward_tile_warp_specialized<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
-}
-
-// One (rows, head dim, heads, batch) operand as TMA sees it.
-struct TmaOperand {
-  const void* ptr;
-  int rows, heads;
-  std::int64_t row_stride, head_stride, batch_stride;
-};
-
-// 16-bit elements in the 16 bytes that TMA and bulk copies align bases and strides to.
-inline constexpr std::int64_t kTmaVector = 8;
-
-// A dimension of extent 1 has no stride to speak of: it gets the one a packed tensor would have,
-// so that the check below does not turn away, say, a single head with an arbitrary head stride.
-inline void pack_unit_strides(TmaOperand& t, int head_dim, int batch) {
-  if (t.rows == 1) t.row_stride = (head_dim + kTmaVector - 1) / kTmaVector * kTmaVector;
-  if (t.heads == 1) t.head_stride = t.row_stride * t.rows;
-  if (batch == 1) t.batch_stride = t.head_stride * t.heads;
-}
-
-// TMA reads a tensor through a 16-byte aligned base and strides that are positive multiples of 16
-// bytes (below 2^40 bytes).
-inline bool tma_addressable(const TmaOperand& t) {
-  auto usable = [](std::int64_t stride) {
-    return stride > 0 && stride % kTmaVector == 0 && stride < (std::int64_t(1) << 39);
-  };
-  return reinterpret_cast<std::uintptr_t>(t.ptr) % 16 == 0 && usable(t.row_stride) && usable(t.head_stride) &&
-         usable(t.batch_stride);
 }
 
 // Whether the producer can bulk-copy a tile's bias values (see ForwardTmaParams::stage_bias): 16-bit
@@ -82,19 +55,13 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   }
 
   using Traits = ForwardTraits<Element, kHeadDim, KvLoads::tma_producer>;
-  auto gmem = [&](const TmaOperand& t) {
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.ptr)),
-                       make_shape(t.rows, params.head_dim, t.heads, params.batch),
-                       make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride));
-  };
   const ForwardTmaParams<Traits> tma_params{
       params,
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(q), typename Traits::SmemLayoutQ{},
-                    Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(k), take<0, 2>(typename Traits::SmemLayoutK{}),
-                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(v), take<0, 2>(typename Traits::SmemLayoutV{}),
-                    Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(q, params.head_dim, params.batch),
+      make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutK{})), Traits::kBlockN, kHeadDim>(
+          k, params.head_dim, params.batch),
+      make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutV{})), Traits::kBlockN, kHeadDim>(
+          v, params.head_dim, params.batch),
       stageable_bias(params.bias, params.seqlen_k)};
   constexpr int kSmem = Traits::kSmemBytes;
   auto* kernel = &forward_tma_kernel<Traits>;

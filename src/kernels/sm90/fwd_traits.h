@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
@@ -12,6 +11,7 @@
 #include "kernels/common/tile_copy.h"
 #include "kernels/sm90/smem_atom.h"
 #include "kernels/sm90/tile_size.h"
+#include "kernels/sm90/tma_rows.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
@@ -66,18 +66,10 @@ struct ForwardTraits {
   using GmemTiledCopyQKV = typename GmemRowCopies<Element, kMmaThreads, kGmemRowElems>::Async;
   using GmemTiledCopyO = typename GmemRowCopies<Element, kMmaThreads, kGmemRowElems>::Vectors;
 
-  // TMA loads of Q, K and V tiles from (rows, head dim, heads, batch) tensors; the head dim is
-  // contiguous. One descriptor each, built on the host (fwd_kernel.h).
-  using GmemShape = cute::Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
-  using GmemStride = cute::Stride<std::int64_t, cute::_1, std::int64_t, std::int64_t>;
-  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)),
-                                                GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
-                                            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}, cute::_1{}));
-  using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutK{}),
-                                            cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
-  using TmaV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutV{}),
-                                            cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  // TMA loads of Q, K and V tiles; one descriptor each, built on the host (fwd_kernel.h).
+  using TmaQ = TmaRows<Element, SmemLayoutQ, kBlockM, kHeadDim>;
+  using TmaK = TmaRows<Element, decltype(cute::take<0, 2>(SmemLayoutK{})), kBlockN, kHeadDim>;
+  using TmaV = TmaRows<Element, decltype(cute::take<0, 2>(SmemLayoutV{})), kBlockN, kHeadDim>;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr std::uint32_t kTileBytes = kBlockN * kHeadDim * sizeof(Element);  // one K or V stage
 
