@@ -1,13 +1,18 @@
-// One CTA per strip of kStripBlocks summary blocks along the keys (kSummaryBlock rows x
-// kStripBlocks · kSummaryBlock keys): per block, the OR of "some key visible" and "some key
-// hidden" over its elements inside the mask, one byte out; and the strip's elements as bits,
-// written as whole words. A strip rather than a block per CTA: every thread has several 16-byte
-// loads in flight, which the mask's read (as large as the attention's K and V on long sequences)
-// needs to run at memory bandwidth. A mask with a single row gets a kernel of its own (below).
-// Measured under Nsight Compute on an H200 (the all-true causal 16384 x 16384 mask of the D32
-// benchmark, 134 MB read): 4-block strips with a thread per (row, vector) 74.9 us, 8-block
-// strips 68.2, 8-block strips with a warp per row (this kernel) 66.6. That is 47% of DRAM
-// bandwidth: the build is still latency-bound, and open.
+// A CTA per row block (kSummaryBlock rows) and kCtaStrips strips of kStripBlocks summary blocks
+// along the keys: per block, the OR of "some key visible" and "some key hidden" over its elements
+// inside the mask, one byte out; and the strip's elements as bits, written as whole words. Every
+// thread has a 16-byte load of each of its warp's rows in flight, and the next strip's loads fly
+// while a strip is summarized: the mask's read (as large as the attention's K and V on long
+// sequences) needs many bytes in flight to run at memory bandwidth. A mask with a single row gets a
+// kernel of its own (below).
+// Measured under Nsight Compute on an H200, the all-true causal masks of the D32 benchmark
+// (16384 x 16384, 134 MB read) and of the D128 one (2 x 4 x 8192 x 8192, 268 MB read):
+//  - a CTA per strip, the bytes tested one by one: 66.6 us for the D32 mask (47% of DRAM bandwidth);
+//  - the bytes tested four to a word (nonzero_nibble): 59.0 and 112 us;
+//  - four strips per CTA, the next one's loads in flight: 55.6 and 108 us, at 109 registers;
+//  - the same capped at 80 registers for three CTAs per SM: 49.1 us (63%) and 90.3 us (70%).
+//    Two strips per CTA measured 45.7 and 94.1, eight 57.6 and 94.1; four CTAs per SM (64
+//    registers, 144 bytes of spills) 67.4 and 125.
 #include "kernels/common/tile_summary.h"
 
 namespace flash_dmattn::kernels {
@@ -15,6 +20,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kStripBlocks = 8;
+constexpr int kCtaStrips = 4;  // strips per CTA, one row block
 constexpr int kStripCols = kStripBlocks * kSummaryBlock;
 constexpr int kStripWords = kStripCols / 32;
 constexpr int kVectorsPerBlock = kSummaryBlock / 16;  // 16-byte vectors per row of a block
@@ -31,95 +37,154 @@ std::size_t classes_bytes(const MaskExtent& mask) {
 // The bits start 16-byte aligned after the classes.
 std::size_t bits_offset(const MaskExtent& mask) { return (classes_bytes(mask) + 15) / 16 * 16; }
 
-// Bit i set where byte i of the 16 is nonzero.
-__device__ __forceinline__ std::uint32_t nonzero_bytes(const uint4& v) {
-  std::uint32_t bits = 0;
-  int i = 0;
-  for (const std::uint32_t word : {v.x, v.y, v.z, v.w}) {
-    for (int byte = 0; byte < 4; ++byte, ++i) bits |= std::uint32_t(((word >> (8 * byte)) & 0xffu) != 0) << i;
-  }
-  return bits;
+// Bit i set where byte i of the word is nonzero, for i < 4: (b & 0x7f) + 0x7f has its top bit
+// set iff the low seven bits are not all zero, and cannot carry into the next byte (at most
+// 0xfe); or-ed with b, the top bit says b != 0. The multiply moves the four top bits (7, 15, 23,
+// 31) to bits 28-31; its other partial products land on distinct lower bits, so nothing carries.
+// Five instructions a word; testing the 16 bytes one by one left the build issue-bound (above).
+__device__ __forceinline__ std::uint32_t nonzero_nibble(std::uint32_t word) {
+  const std::uint32_t top = (((word & 0x7f7f7f7fu) + 0x7f7f7f7fu) | word) & 0x80808080u;
+  return (top * 0x00204081u) >> 28;
 }
 
-__global__ void __launch_bounds__(kThreads) tile_summary_kernel(MaskExtent mask, std::uint8_t* out,
+// Bit i set where byte i of the 16 is nonzero.
+__device__ __forceinline__ std::uint32_t nonzero_bytes(const uint4& v) {
+  return nonzero_nibble(v.x) | nonzero_nibble(v.y) << 4 | nonzero_nibble(v.z) << 8 | nonzero_nibble(v.w) << 12;
+}
+
+// The strip of row block blockIdx.y that starts at key c0, as this CTA reads it.
+struct Strip {
+  std::int64_t c0;
+  int cols;           // keys of the strip inside the mask
+  int seen;           // keys before this one are visible to some row of the block (causal)
+  int vector_blocks;  // leading summary blocks read as 16-byte vectors
+  const std::uint8_t* base;
+};
+
+// Every lane's 16-byte vector of each of its warp's rows of the strip's vectorized blocks (zeros
+// where it reads none), all loads issued before any is used.
+__device__ __forceinline__ void load_vectors(const Strip& strip, const MaskExtent& mask, int rows,
+                                             uint4 (&v)[kRowsPerWarp]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, block = lane / kVectorsPerBlock;
+  const bool lane_reads = block < strip.vector_blocks && block * kSummaryBlock < strip.seen;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = warp + i * kWarps;
+    v[i] = lane_reads && row < rows ? *reinterpret_cast<const uint4*>(strip.base + row * mask.row_stride + lane * 16)
+                                    : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Three CTAs per SM: at most 80 registers a thread (measured above).
+__global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent mask, std::uint8_t* out,
                                                                  std::uint32_t* bits_out) {
   __shared__ std::uint32_t words[kSummaryBlock][kStripWords];
   __shared__ __align__(8) std::uint8_t flags[8];
   const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = gridDim.y;
   const std::int64_t bh = blockIdx.z, b = bh / mask.heads, h = bh % mask.heads;
-  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSummaryBlock, c0 = std::int64_t(blockIdx.x) * kStripCols;
+  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSummaryBlock;
   const int rows = static_cast<int>(mask.rows - r0 < kSummaryBlock ? mask.rows - r0 : kSummaryBlock);
-  const int cols = static_cast<int>(mask.cols - c0 < kStripCols ? mask.cols - c0 : kStripCols);
-  const std::uint8_t* base =
-      mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride + c0 * mask.col_stride;
-  std::uint32_t* bits_row0 = bits_out + (bh * mask.rows + r0) * words_of(mask.cols) + c0 / 32;
-  if (threadIdx.x < 8) flags[threadIdx.x] = 0;
-  // Keys of the strip at or past `seen` are causally hidden from every one of its rows.
-  int seen = cols;
+  const std::uint8_t* row0 = mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride;
+  // Keys at or past `seen_end` are causally hidden from every row of the block.
+  std::int64_t seen_end = mask.cols;
   if (mask.causal) {
     const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
-    seen = static_cast<int>(last_key < c0 ? 0 : (last_key - c0 + 1 < cols ? last_key - c0 + 1 : cols));
+    seen_end = last_key < 0 ? 0 : (last_key + 1 < mask.cols ? last_key + 1 : mask.cols);
+  }
+  auto strip_at = [&](int s) {
+    Strip strip;
+    strip.c0 = (std::int64_t(blockIdx.x) * kCtaStrips + s) * kStripCols;
+    strip.cols = static_cast<int>(mask.cols - strip.c0 < kStripCols ? mask.cols - strip.c0 : kStripCols);
+    strip.seen = static_cast<int>(seen_end <= strip.c0 ? 0 : (seen_end - strip.c0 < strip.cols ? seen_end - strip.c0 : strip.cols));
+    strip.base = row0 + strip.c0 * mask.col_stride;
+    // Whole blocks of 16-byte-aligned rows.
+    const bool aligned = mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
+                         reinterpret_cast<std::uintptr_t>(strip.base) % 16 == 0;
+    strip.vector_blocks = aligned ? strip.cols / kSummaryBlock : 0;
+    return strip;
+  };
+  // This CTA's strips, and those of them some row of the block can see (a prefix): the others get
+  // class 0 and no reads.
+  const std::int64_t first_c0 = std::int64_t(blockIdx.x) * kCtaStrips * kStripCols;
+  auto strips_before = [&](std::int64_t end) {
+    const std::int64_t n = end > first_c0 ? (end - first_c0 + kStripCols - 1) / kStripCols : 0;
+    return static_cast<int>(n < kCtaStrips ? n : kCtaStrips);
+  };
+  const int strips = strips_before(mask.cols), visible_strips = strips_before(seen_end);
+  for (int s = visible_strips; s < strips; ++s) {
+    const std::int64_t first_block = strip_at(s).c0 / kSummaryBlock;
+    if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
+      out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = 0;
+    }
   }
 
-  for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
-  __syncthreads();  // flags and words cleared
+  uint4 v[kRowsPerWarp];
+  if (visible_strips > 0) load_vectors(strip_at(0), mask, rows, v);
+  for (int s = 0; s < visible_strips; ++s) {
+    const Strip strip = strip_at(s);
+    // The next strip's loads fly while this one is summarized.
+    uint4 next[kRowsPerWarp] = {};
+    if (s + 1 < visible_strips) load_vectors(strip_at(s + 1), mask, rows, next);
+    std::uint32_t* bits_row0 = bits_out + (bh * mask.rows + r0) * words_of(mask.cols) + strip.c0 / 32;
+    const int first_col = strip.vector_blocks * kSummaryBlock;
+    const int scalar_cols = strip.seen > first_col ? strip.seen - first_col : 0;
+    if (threadIdx.x < 8) flags[threadIdx.x] = 0;
+    if (scalar_cols > 0) {
+      for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
+    }
+    __syncthreads();  // flags (and words) cleared, the last strip's readers of both done
 
-  // Whole blocks of 16-byte-aligned rows: lane l of a warp reads vector l of a row (the warp one
-  // row's kStripCols contiguous bytes per load), warp w rows w, w + kWarps, ..., all loads issued
-  // before the first is used. The 16 bits of a vector pair up across neighbouring lanes into the
-  // row's words; the kVectorsPerBlock lanes of a block OR their flags over the rows.
-  const bool aligned = mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
-                       reinterpret_cast<std::uintptr_t>(base) % 16 == 0;
-  const int vector_blocks = aligned ? cols / kSummaryBlock : 0;
-  if (vector_blocks > 0) {  // uniform: every lane takes part in the shuffles
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, block = lane / kVectorsPerBlock;
-    const bool lane_reads = block < vector_blocks && block * kSummaryBlock < seen;
-    uint4 v[kRowsPerWarp];
+    // Lane l of a warp holds vector l of a row (the warp one row's kStripCols contiguous bytes per
+    // load), warp w rows w, w + kWarps, ... The 16 bits of a vector pair up across neighbouring
+    // lanes into the row's words; the kVectorsPerBlock lanes of a block OR their flags over the rows.
+    if (strip.vector_blocks > 0) {  // uniform: every lane takes part in the shuffles
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, block = lane / kVectorsPerBlock;
+      const bool lane_reads = block < strip.vector_blocks && block * kSummaryBlock < strip.seen;
+      bool visible = false, hidden = false;
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int row = warp + i * kWarps;
-      v[i] = lane_reads && row < rows ? *reinterpret_cast<const uint4*>(base + row * mask.row_stride + lane * 16)
-                                      : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int row = warp + i * kWarps;
+        const bool read = lane_reads && row < rows;
+        const std::uint32_t keep = nonzero_bytes(v[i]);
+        const std::uint32_t pair = keep | (__shfl_down_sync(0xffffffffu, keep, 1) << 16);
+        if (read && lane % 2 == 0) bits_row0[row * words_of(mask.cols) + lane / 2] = pair;
+        visible |= read && keep != 0;
+        hidden |= read && keep != 0xffffu;
+      }
+      unsigned block_flags = (visible ? kTileHasVisible : 0) | (hidden ? kTileHasHidden : 0);
+      for (int lanes = 1; lanes < kVectorsPerBlock; lanes *= 2) block_flags |= __shfl_xor_sync(0xffffffffu, block_flags, lanes);
+      if (lane % kVectorsPerBlock == 0 && block_flags) {
+        atomicOr(reinterpret_cast<unsigned long long*>(flags), (unsigned long long)block_flags << (8 * block));
+      }
     }
-    bool visible = false, hidden = false;
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int row = warp + i * kWarps;
-      const bool read = lane_reads && row < rows;
-      const std::uint32_t keep = nonzero_bytes(v[i]);
-      const std::uint32_t pair = keep | (__shfl_down_sync(0xffffffffu, keep, 1) << 16);
-      if (read && lane % 2 == 0) bits_row0[row * words_of(mask.cols) + lane / 2] = pair;
-      visible |= read && keep != 0;
-      hidden |= read && keep != 0xffffu;
-    }
-    unsigned block_flags = (visible ? kTileHasVisible : 0) | (hidden ? kTileHasHidden : 0);
-    for (int lanes = 1; lanes < kVectorsPerBlock; lanes *= 2) block_flags |= __shfl_xor_sync(0xffffffffu, block_flags, lanes);
-    if (lane % kVectorsPerBlock == 0 && block_flags) {
-      atomicOr(reinterpret_cast<unsigned long long*>(flags), (unsigned long long)block_flags << (8 * block));
-    }
-  }
 
-  // The rest of the strip element by element: a block cut by the end of the keys, or every
-  // block of a mask whose rows are not 16-byte aligned.
-  const int first_col = vector_blocks * kSummaryBlock;
-  const int scalar_cols = seen > first_col ? seen - first_col : 0;
-  unsigned long long my_flags = 0;  // byte k: block k's flags
-  for (int e = threadIdx.x; e < rows * scalar_cols; e += kThreads) {
-    const int row = e / scalar_cols, col = first_col + e % scalar_cols;
-    const bool keep = base[row * mask.row_stride + col * mask.col_stride] != 0;
-    my_flags |= (unsigned long long)(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
-    if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
-  }
-  if (my_flags) atomicOr(reinterpret_cast<unsigned long long*>(flags), my_flags);
-  __syncthreads();
-  const int first_word = first_col / 32, scalar_words = static_cast<int>(words_of(cols)) - first_word;
-  for (int i = threadIdx.x; i < rows * scalar_words; i += kThreads) {
-    const int row = i / scalar_words, w = first_word + i % scalar_words;
-    bits_row0[row * words_of(mask.cols) + w] = words[row][w];
-  }
-  const std::int64_t first_block = std::int64_t(blockIdx.x) * kStripBlocks;
-  if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
-    out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = flags[threadIdx.x];
+    // The rest of the strip element by element: a block cut by the end of the keys, or every
+    // block of a mask whose rows are not 16-byte aligned.
+    if (scalar_cols > 0) {
+      unsigned long long my_flags = 0;  // byte k: block k's flags
+      for (int e = threadIdx.x; e < rows * scalar_cols; e += kThreads) {
+        const int row = e / scalar_cols, col = first_col + e % scalar_cols;
+        const bool keep = strip.base[row * mask.row_stride + col * mask.col_stride] != 0;
+        my_flags |= (unsigned long long)(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
+        if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
+      }
+      if (my_flags) atomicOr(reinterpret_cast<unsigned long long*>(flags), my_flags);
+    }
+    __syncthreads();
+    if (scalar_cols > 0) {
+      const int first_word = first_col / 32, scalar_words = static_cast<int>(words_of(strip.cols)) - first_word;
+      for (int i = threadIdx.x; i < rows * scalar_words; i += kThreads) {
+        const int row = i / scalar_words, w = first_word + i % scalar_words;
+        bits_row0[row * words_of(mask.cols) + w] = words[row][w];
+      }
+      __syncthreads();  // words read before the next strip clears them
+    }
+    const std::int64_t first_block = strip.c0 / kSummaryBlock;
+    if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
+      out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = flags[threadIdx.x];
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) v[i] = next[i];
   }
 }
 
@@ -202,7 +267,8 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
     row_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
     return cudaGetLastError();
   }
-  const dim3 grid(static_cast<unsigned>((col_blocks + kStripBlocks - 1) / kStripBlocks), static_cast<unsigned>(row_blocks),
+  const std::int64_t cta_blocks = std::int64_t(kStripBlocks) * kCtaStrips;
+  const dim3 grid(static_cast<unsigned>((col_blocks + cta_blocks - 1) / cta_blocks), static_cast<unsigned>(row_blocks),
                   static_cast<unsigned>(mask.batches * mask.heads));
   tile_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
   return cudaGetLastError();
