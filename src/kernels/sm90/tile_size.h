@@ -19,8 +19,12 @@ namespace flash_dmattn::kernels::sm90 {
 enum class KvLoads { cp_async, tma_producer };
 
 // Both ways of loading use the same tile: at block_n = 128 the warp-specialized kernel's
-// consumers spilled 1.8 KB per thread (ptxas, D = 128).
-constexpr sm80::ForwardTile forward_tile(int /*head_dim*/) { return {128, 64, 8, 1}; }
+// consumers spilled 1.8 KB per thread (ptxas, D = 128). At D <= 32 the output takes 16 registers
+// and 128-key tiles fit; they halve the barriers and waits per key (B1 H2 S16384 D32 causal,
+// mask + bias, H200, one run: 0.333 ms against 0.400 with 64-key tiles and 0.358 for sm80).
+constexpr sm80::ForwardTile forward_tile(int head_dim) {
+  return head_dim <= 32 ? sm80::ForwardTile{128, 128, 8, 1} : sm80::ForwardTile{128, 64, 8, 1};
+}
 
 // The backward: a CTA of two warpgroups owns a tile of block_n keys, whose dK and dV stay in
 // registers, and walks query tiles of block_m rows. A wgmma is 64 rows tall, and dK = dSᵀ·Q and
