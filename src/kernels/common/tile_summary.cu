@@ -91,9 +91,10 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
     const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
     seen_end = last_key < 0 ? 0 : (last_key + 1 < mask.cols ? last_key + 1 : mask.cols);
   }
+  const std::int64_t first_c0 = std::int64_t(blockIdx.x) * kCtaStrips * kStripCols;
   auto strip_at = [&](int s) {
     Strip strip;
-    strip.c0 = (std::int64_t(blockIdx.x) * kCtaStrips + s) * kStripCols;
+    strip.c0 = first_c0 + std::int64_t(s) * kStripCols;
     strip.cols = static_cast<int>(mask.cols - strip.c0 < kStripCols ? mask.cols - strip.c0 : kStripCols);
     strip.seen = static_cast<int>(seen_end <= strip.c0 ? 0 : (seen_end - strip.c0 < strip.cols ? seen_end - strip.c0 : strip.cols));
     strip.base = row0 + strip.c0 * mask.col_stride;
@@ -105,18 +106,19 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
   };
   // This CTA's strips, and those of them some row of the block can see (a prefix): the others get
   // class 0 and no reads.
-  const std::int64_t first_c0 = std::int64_t(blockIdx.x) * kCtaStrips * kStripCols;
   auto strips_before = [&](std::int64_t end) {
     const std::int64_t n = end > first_c0 ? (end - first_c0 + kStripCols - 1) / kStripCols : 0;
     return static_cast<int>(n < kCtaStrips ? n : kCtaStrips);
   };
   const int strips = strips_before(mask.cols), visible_strips = strips_before(seen_end);
-  for (int s = visible_strips; s < strips; ++s) {
-    const std::int64_t first_block = strip_at(s).c0 / kSummaryBlock;
-    if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
-      out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = 0;
+  // The class bytes of the blocks of the strip at key c0: flags[k] for block k, or 0 (no flags).
+  auto store_classes = [&](std::int64_t c0, const std::uint8_t* block_flags) {
+    const std::int64_t block = c0 / kSummaryBlock + threadIdx.x;
+    if (threadIdx.x < kStripBlocks && block < col_blocks) {
+      out[(bh * row_blocks + blockIdx.y) * col_blocks + block] = block_flags ? block_flags[threadIdx.x] : 0;
     }
-  }
+  };
+  for (int s = visible_strips; s < strips; ++s) store_classes(first_c0 + std::int64_t(s) * kStripCols, nullptr);
 
   uint4 v[kRowsPerWarp];
   if (visible_strips > 0) load_vectors(strip_at(0), mask, rows, v);
@@ -179,10 +181,7 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
       }
       __syncthreads();  // words read before the next strip clears them
     }
-    const std::int64_t first_block = strip.c0 / kSummaryBlock;
-    if (threadIdx.x < kStripBlocks && first_block + threadIdx.x < col_blocks) {
-      out[(bh * row_blocks + blockIdx.y) * col_blocks + first_block + threadIdx.x] = flags[threadIdx.x];
-    }
+    store_classes(strip.c0, flags);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) v[i] = next[i];
   }
