@@ -1,7 +1,8 @@
 // How the GPU backward runs rather than what it computes, and the layouts it accepts:
 //   BackwardRuntime  the query names a CUDA backend; deterministic mode gives bitwise-equal dq, dk,
 //       dv and dbias over reruns (on problems whose reductions a kernel would do with atomics: dk
-//       and dv over a GQA group, dbias over rows, heads and batch); the default mode stays within
+//       and dv over a GQA group, dbias over rows, heads and batch; also on masks that empty whole
+//       tiles or most of them); the default mode stays within
 //       tolerance on every rerun; the backward can be captured in a CUDA graph and replayed; the
 //       workspace is sized by the query, required and checked, and may hold garbage on entry; a
 //       bias without dbias.
@@ -14,6 +15,7 @@
 #include <utility>
 
 #include "backward_harness.h"
+#include "mask_bias_edits.h"
 
 namespace flash_dmattn::test {
 namespace {
@@ -70,25 +72,28 @@ TEST_F(BackwardRuntime, QueryNamesACudaBackend) {
   EXPECT_FALSE(capability.description.empty());
 }
 
-// Three deterministic runs of each reducing bias shape give bitwise-equal gradients, which match
-// the reference.
+// Three more deterministic runs of p give bitwise-equal gradients, which match the reference.
+void expect_reruns_bitwise_equal(const BackwardProblem& p, cudaStream_t stream) {
+  GpuBackward gpu(p, stream);
+  gpu.prepare();
+  if (test_stopped()) return;
+  ASSERT_TRUE(gpu.run().ok());
+  const GpuGradients first = gpu.finish();
+  for (int rerun = 1; rerun <= 3; ++rerun) {
+    gpu.poison_outputs();
+    ASSERT_TRUE(gpu.run().ok());
+    expect_bitwise_equal(first, gpu.finish(), "between run 0 and run " + std::to_string(rerun));
+    if (test_stopped()) return;
+  }
+  expect_gradients_match_reference(p, first);
+}
+
 void expect_deterministic_runs_bitwise_equal(int head_dim, cudaStream_t stream) {
   auto rng = test_rng();
   for (const NamedBias& bias : kReducingBiases) {
     SCOPED_TRACE(bias.name);
-    const BackwardProblem p = BackwardProblem::random(runtime_case(bias.shape, true, head_dim), rng);
-    GpuBackward gpu(p, stream);
-    gpu.prepare();
+    expect_reruns_bitwise_equal(BackwardProblem::random(runtime_case(bias.shape, true, head_dim), rng), stream);
     if (test_stopped()) return;
-    ASSERT_TRUE(gpu.run().ok());
-    const GpuGradients first = gpu.finish();
-    for (int rerun = 1; rerun <= 3; ++rerun) {
-      gpu.poison_outputs();
-      ASSERT_TRUE(gpu.run().ok());
-      expect_bitwise_equal(first, gpu.finish(), "between run 0 and run " + std::to_string(rerun));
-      if (test_stopped()) return;
-    }
-    expect_gradients_match_reference(p, first);
   }
 }
 
@@ -98,6 +103,29 @@ TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqual) { expect_deterministic
 // (sm90/tile_size.h).
 TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqualAtHeadDim128) {
   expect_deterministic_runs_bitwise_equal(128, stream());
+}
+
+// Masks that empty whole tiles, or most of them, with a mask head per query head so that the
+// heads of a GQA group skip different tiles: the key-split CTAs skip different query tiles of
+// each key tile they visit. Both sm_90 warpgroup splits (D = 64 and 128); a dBias summed per KV
+// head and one summed per query head.
+TEST_F(BackwardRuntime, DeterministicRunsOnSparseMasksAreBitwiseEqual) {
+  auto rng = test_rng();
+  for (const int head_dim : {64, 128}) {
+    for (const NamedBias& bias : {kReducingBiases[0], kReducingBiases[2]}) {
+      for (const bool checkerboard : {true, false}) {
+        SCOPED_TRACE(std::string(bias.name) + (checkerboard ? ", checkerboard" : ", density 0.002") +
+                     ", D = " + std::to_string(head_dim));
+        BackwardCase c = runtime_case(bias.shape, true, head_dim);
+        c.mask = OperandShape{true, c.n.H, true, true};
+        c.density = checkerboard ? 0.5 : 0.002;
+        BackwardProblem p = BackwardProblem::random(c, rng);
+        if (checkerboard) empty_tiles_in_a_checkerboard(p);
+        expect_reruns_bitwise_equal(p, stream());
+        if (test_stopped()) return;
+      }
+    }
+  }
 }
 
 TEST_F(BackwardRuntime, DefaultModeRerunsStayWithinTolerance) {
