@@ -113,8 +113,10 @@ bool runs_sm90a(const Workload& w) {
   return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && w.D <= 128 && w.Sq > 16;
 }
 
+// The benchmark's tensors are contiguous: the sm90a forward runs its TMA kernel.
 fd::kernels::sm80::ForwardTile forward_tile(const Workload& w) {
-  return runs_sm90a(w) ? fd::kernels::sm90::forward_tile(w.D) : fd::kernels::sm80::forward_tile(w.D);
+  return runs_sm90a(w) ? fd::kernels::sm90::forward_tile(w.D, fd::kernels::sm90::KvLoads::tma_producer)
+                       : fd::kernels::sm80::forward_tile(w.D);
 }
 
 double visited_tile_flops(const Workload& w) {

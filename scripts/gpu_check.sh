@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build with every core, run the GPU test suite, the sanitizers on a small
-# subset, and the benchmark smoke; print a short table last. Logs and JSON go to $OUT.
+# subset, and the benchmark smoke; print a short table last. The benchmark JSON goes to $OUT, the
+# logs to $OUT/gpu_check_logs.tar.gz (packed after every step, so that a run cut short keeps
+# what it did; the device tool brings back at most 8 files).
 #
 # Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real on a Hopper GPU, else 80-real),
 # CUTLASS_DIR (default .carry/cutlass when present), GTEST_SOURCE_DIR (default .carry/googletest
@@ -12,47 +14,52 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
+LOGS="$(mktemp -d)"
 mkdir -p "$OUT"
+save_logs() { tar czf "$OUT/gpu_check_logs.tar.gz" -C "$LOGS" .; }
 export PATH="/usr/local/cuda/bin:$PATH"
 [ -d .carry/cutlass ] && export CUTLASS_DIR="${CUTLASS_DIR:-$PWD/.carry/cutlass}"
 gtest_flag=()
 [ -d .carry/googletest ] && gtest_flag=(-DGTEST_SOURCE_DIR="${GTEST_SOURCE_DIR:-$PWD/.carry/googletest}")
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
 archs="${FLASH_DMATTN_CUDA_ARCHS:-$([ "${cc:-80}" -ge 90 ] && echo 90-real || echo 80-real)}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/device.txt"
 
 start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
-  ${CMAKE_EXTRA:-} > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  ${CMAKE_EXTRA:-} > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
 # -k 0: a target that fails to build does not keep the others (the benchmark, say) from running.
-cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$OUT/build.log" 2>&1 || grep -E "error|Error" "$OUT/build.log" | head -40
+cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$LOGS/build.log" 2>&1 || grep -E "error|Error" "$LOGS/build.log" | head -40
 build_s=$(( $(date +%s) - start ))
+save_logs
 
 start=$(date +%s)
-build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests.log" 2>&1
+build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1
 gpu_rc=$?
 sm80_line=""
 if [ "${cc:-80}" -eq 90 ]; then
   FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="${GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
-  sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm80.log" | tr '\n' ' ')"
-  tail -5 "$OUT/gpu_tests_sm80.log"
+    --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
+  sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
+  tail -5 "$LOGS/gpu_tests_sm80.log"
   # Left to itself a deterministic backward at D > 64 runs sm80 (choose_family in
   # src/cuda/cuda_backend.cpp): the sm90a kernel's deterministic mode gets a run of its own.
   FLASH_DMATTN_KERNELS=sm90a build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter='BackwardRuntime.Deterministic*' > "$OUT/gpu_tests_sm90a_deterministic.log" 2>&1 || gpu_rc=1
-  sm80_line+=$'\n'"deterministic backward tests with FLASH_DMATTN_KERNELS=sm90a: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests_sm90a_deterministic.log" | tr '\n' ' ')"
+    --gtest_filter='BackwardRuntime.Deterministic*' > "$LOGS/gpu_tests_sm90a_deterministic.log" 2>&1 || gpu_rc=1
+  sm80_line+=$'\n'"deterministic backward tests with FLASH_DMATTN_KERNELS=sm90a: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm90a_deterministic.log" | tr '\n' ' ')"
 fi
 gpu_s=$(( $(date +%s) - start ))
-tail -30 "$OUT/gpu_tests.log"
+save_logs
+tail -30 "$LOGS/gpu_tests.log"
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$OUT/bench_forward.txt" 2>&1
+  build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$LOGS/bench_forward.txt" 2>&1
   if [ "${cc:-80}" -eq 90 ]; then
     FLASH_DMATTN_KERNELS=sm80 build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward_sm80.json" \
-      > "$OUT/bench_forward_sm80.txt" 2>&1
+      > "$LOGS/bench_forward_sm80.txt" 2>&1
   fi
-  python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$OUT/baselines_torch.txt" 2>&1
+  python3 benchmarks/baselines_torch.py --json "$OUT/baselines_torch.json" > "$LOGS/baselines_torch.txt" 2>&1
+  save_logs
 fi
 
 if [ -n "${NCU:-}" ]; then
@@ -60,30 +67,31 @@ if [ -n "${NCU:-}" ]; then
   ncu --clock-control none --kernel-name regex:forward_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    build-gpu/flash_dmattn_bench_forward --runs 1 --only "${NCU_WORKLOAD:-train_dense_d128}" > "$OUT/ncu.txt" 2>&1
+    build-gpu/flash_dmattn_bench_forward --runs 1 --only "${NCU_WORKLOAD:-train_dense_d128}" > "$LOGS/ncu.txt" 2>&1
   grep -E "Duration|Throughput|Registers|Occupancy|Warp Cycles|Stall|Issued|Eligible|Block Limit|Shared Memory|L1/TEX Hit|L2 Hit|Bank" \
-    "$OUT/ncu.txt" | head -60
+    "$LOGS/ncu.txt" | head -60
 fi
 
 san="skipped"
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
-  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:BackwardRuntime.*:BackwardLayouts.*:TileSummaryBuild.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*}"
+  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:BackwardRuntime.*:BackwardLayouts.*:TileSummaryBuild.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*:Forward/StagedBias*}"
   san="memcheck:"
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
+    --gtest_filter="$filter" > "$LOGS/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
   san+=" racecheck:"
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="$filter" > "$OUT/racecheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
-  tail -n 3 "$OUT/memcheck.log" "$OUT/racecheck.log"
+    --gtest_filter="$filter" > "$LOGS/racecheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
+  tail -n 3 "$LOGS/memcheck.log" "$LOGS/racecheck.log"
+  save_logs
 fi
 
 echo
 echo "================ summary ================"
-cat "$OUT/device.txt"
-echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+cat "$LOGS/device.txt"
+echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests.log" | tr '\n' ' ')"
 [ -n "$sm80_line" ] && echo "$sm80_line"
 echo "sanitizers: $san"
-[ -f "$OUT/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$OUT/bench_forward_sm80.txt"; }
-[ -f "$OUT/bench_forward.txt" ] && cat "$OUT/bench_forward.txt"
-[ -f "$OUT/baselines_torch.txt" ] && cat "$OUT/baselines_torch.txt"
+[ -f "$LOGS/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$LOGS/bench_forward_sm80.txt"; }
+[ -f "$LOGS/bench_forward.txt" ] && cat "$LOGS/bench_forward.txt"
+[ -f "$LOGS/baselines_torch.txt" ] && cat "$LOGS/baselines_torch.txt"
 exit $gpu_rc

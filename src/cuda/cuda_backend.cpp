@@ -190,8 +190,11 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at one wave.
   // Measured on an H200 (decode B1 H32 Hk8 Sk131072 D128, 8 packed CTAs before splitting): one
   // wave 0.174 ms, two 0.178, three 0.182, four 0.185; more splits cost more partial rows.
-  const auto tile = plan.family == KernelFamily::sm90a ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim))
-                                                        : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
+  // The sm90a family's widest tiles (its TMA kernel's): its other kernel's key tiles are no wider,
+  // so it never has fewer key tiles than splits.
+  const auto tile = plan.family == KernelFamily::sm90a
+                        ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::tma_producer)
+                        : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
   const std::int64_t rows = p.seqlen_q * plan.pack_group;
   const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
                             (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cutlass/detail/helper_macros.hpp>
+
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/params.h"
 
@@ -127,6 +129,28 @@ struct KeyTileClassifier {
   }
 };
 
+// Where a call's bias values come from: none; one row shared by every query row (a bias whose
+// query dim is 1, the common (B, Hk, 1, Sk) case: each key's value is loaded once per tile), read
+// from global memory or staged in shared memory next to each K tile by a producer (16-bit values
+// only); or a row per query row.
+enum class BiasSource { none, shared_row, staged_row, per_row };
+
+// How a call forms its logits, fixed for the whole call: softcap or not, the bias source and the
+// bias's element type (float without bias). A main loop instantiated per kind
+// (MaskBiasPolicy::with_logit_kind) holds that kind's code alone, and needs the registers of one
+// path rather than the most any of them needs: with every kind inlined in one loop, the sm90a
+// forward's consumers spilled 1.8 KB per thread at 128-key tiles (ptxas, D = 128).
+template <bool kSoftcap_, BiasSource kBias_, typename BiasElement_ = float>
+struct LogitKind {
+  static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr BiasSource kBias = kBias_;
+  using BiasElement = BiasElement_;
+};
+template <typename T>
+inline constexpr bool is_logit_kind_v = false;
+template <bool kSoftcap, BiasSource kBias, typename T>
+inline constexpr bool is_logit_kind_v<LogitKind<kSoftcap, kBias, T>> = true;
+
 // kRows, kCols: query rows and keys of the tile one thread holds in the accumulator layout.
 template <int kBlockM, int kBlockN, int kRows, int kCols>
 struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
@@ -189,62 +213,67 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
 
   // What a tile reads from global memory besides S, loaded by load_inputs() before S exists so
   // that a main loop can issue the loads ahead of the S = Q·Kᵀ MMA and hide their latency behind
-  // it: the bias values at the thread's columns when every query row shares one bias row (raw
-  // bits, converted when used: a conversion right after the load would wait for it), and the
-  // mask bits of the thread's rows on tiles that need per-element masking.
+  // it: the bias values at the thread's columns when every query row shares one bias row read
+  // from global memory (raw bits, converted when used: a conversion right after the load would
+  // wait for it), where a staged row is, and the mask bits of the thread's rows on tiles that
+  // need per-element masking.
   struct TileInputs {
     std::uint32_t shared_bias[kCols];
     std::uint32_t keep[kRows][kWindowWords];
+    const std::uint16_t* staged;
   };
 
-  // staged: the tile's bias values already in shared memory (kBlockN 16-bit values of the shared
-  // row, zero past Sk), where a producer has put them; nullptr to read global memory.
-  template <typename TensorC>
-  __device__ __forceinline__ void load_inputs(TileInputs& in, const TensorC& coords_flat, int n_block,
+  // Calls f(kind) with this call's LogitKind: a main loop that runs inside f and passes the kind
+  // to load_inputs() and apply() is compiled once per kind. staged: whether a producer stages
+  // the shared bias row in shared memory (16-bit values only).
+  template <typename F>
+  __device__ __forceinline__ void with_logit_kind(F&& f, bool staged = false) const {
+    if (softcap > 0.f) {
+      with_bias_source<true>(f, staged);
+    } else {
+      with_bias_source<false>(f, staged);
+    }
+  }
+
+  // staged: for a staged_row kind, the tile's kBlockN 16-bit values of the shared row in shared
+  // memory (arbitrary past Sk: those keys are hidden).
+  template <typename Kind, typename TensorC, typename = std::enable_if_t<is_logit_kind_v<Kind>>>
+  __device__ __forceinline__ void load_inputs(Kind, TileInputs& in, const TensorC& coords_flat, int n_block,
                                               bool elementwise, const std::uint16_t* staged = nullptr) const {
     using namespace cute;
+    using T = typename Kind::BiasElement;
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
     static_assert(decltype(size<1>(coords))::value == kCols);
-    const int n_begin = n_block * kBlockN;
     static_assert(kCols % 2 == 0, "a thread's columns come in neighbouring pairs");
-    if (staged) {
-      // In the layout apply() expects of the global loads: 16-bit pairs in the even slots on
-      // tiles without per-element masking, a value per column on the others.
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; c += 2) {
-        const int col = get<1>(coords(0, c));
-        if (!elementwise) {
-          in.shared_bias[c] = *reinterpret_cast<const std::uint32_t*>(staged + col);
-        } else {
-          in.shared_bias[c] = staged[col];
-          in.shared_bias[c + 1] = staged[get<1>(coords(0, c + 1))];
+    const int n_begin = n_block * kBlockN;
+    in.staged = staged;
+    if constexpr (Kind::kBias == BiasSource::shared_row) {
+      if (bias_pairs && !elementwise) {
+        // A tile without per-element masking lies inside [0, Sk), and the thread's columns come in
+        // neighbouring pairs starting at even keys: one aligned access per pair, no clamping. A
+        // 16-bit pair stays packed in the even slot.
+        const int lowest_col = get<1>(coords(0, 0));
+        const int first = n_begin + lowest_col;
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 2) {
+          const int j = first + (get<1>(coords(0, c)) - lowest_col);
+          if constexpr (std::is_same_v<T, float>) {
+            const uint2 pair = *reinterpret_cast<const uint2*>(reinterpret_cast<const std::uint32_t*>(bias_row[0]) + j);
+            in.shared_bias[c] = pair.x;
+            in.shared_bias[c + 1] = pair.y;
+          } else {
+            in.shared_bias[c] = *reinterpret_cast<const std::uint32_t*>(reinterpret_cast<const std::uint16_t*>(bias_row[0]) + j);
+          }
         }
-      }
-    } else if (bias_pairs && !elementwise) {
-      // A tile without per-element masking lies inside [0, Sk), and the thread's columns come in
-      // neighbouring pairs starting at even keys: one aligned access per pair, no clamping. A
-      // 16-bit pair stays packed in the even slot.
-      const int lowest_col = get<1>(coords(0, 0));
-      const int first = n_begin + lowest_col;
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; c += 2) {
-        const int j = first + (get<1>(coords(0, c)) - lowest_col);
-        if (bias_type == ElementType::float32) {
-          const uint2 pair = *reinterpret_cast<const uint2*>(reinterpret_cast<const std::uint32_t*>(bias_row[0]) + j);
-          in.shared_bias[c] = pair.x;
-          in.shared_bias[c + 1] = pair.y;
-        } else {
-          in.shared_bias[c] = *reinterpret_cast<const std::uint32_t*>(reinterpret_cast<const std::uint16_t*>(bias_row[0]) + j);
-        }
-      }
-    } else if (has_bias && bias_shared_row) {
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        const int j = bias_key_broadcast ? 0 : min(n_begin + get<1>(coords(0, c)), seqlen_k - 1);
-        if (bias_type == ElementType::float32) {
-          in.shared_bias[c] = reinterpret_cast<const std::uint32_t*>(bias_row[0])[j];
-        } else {
-          in.shared_bias[c] = reinterpret_cast<const std::uint16_t*>(bias_row[0])[j];
+      } else {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int j = bias_key_broadcast ? 0 : min(n_begin + get<1>(coords(0, c)), seqlen_k - 1);
+          if constexpr (std::is_same_v<T, float>) {
+            in.shared_bias[c] = reinterpret_cast<const std::uint32_t*>(bias_row[0])[j];
+          } else {
+            in.shared_bias[c] = reinterpret_cast<const std::uint16_t*>(bias_row[0])[j];
+          }
         }
       }
     }
@@ -255,9 +284,43 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
   }
 
   // s: raw q·k products of key tile n_block; coords: the (row, col) of each element in the tile;
-  // in: the tile's load_inputs(). Writes z = softcap(scale·qk) + bias, or -inf where the key is
-  // hidden. The flags are uniform, so they pick one specialized loop per tile instead of being
-  // tested per element.
+  // in: the tile's load_inputs() for the same kind. Writes z = softcap(scale·qk) + bias, or -inf
+  // where the key is hidden, then calls emit(r, c, z, dcap) for every element, indexed by (row,
+  // col) of the accumulator_as_rows_cols view, with dcap = dz/d(scale·qk) / scale: 1 - tanh² of
+  // the capped argument under softcap, 1 without. The backward turns z into P and dZ right there,
+  // so no second fragment stays live. The elementwise flag is uniform, so it picks one
+  // specialized loop per tile instead of being tested per element.
+  template <typename Kind, typename TensorS, typename TensorC, typename Emit,
+            typename = std::enable_if_t<is_logit_kind_v<Kind>>>
+  __device__ __forceinline__ void apply(Kind, TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        const TileInputs& in, Emit&& emit) const {
+    if (elementwise) {
+      apply_tile<Kind, true>(s, coords, n_block, in, emit);
+    } else {
+      apply_tile<Kind, false>(s, coords, n_block, in, emit);
+    }
+  }
+
+  template <typename Kind, typename TensorS, typename TensorC, typename = std::enable_if_t<is_logit_kind_v<Kind>>>
+  __device__ __forceinline__ void apply(Kind kind, TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        const TileInputs& in) const {
+    apply(kind, s, coords, n_block, elementwise, in, [](int, int, float, float) {});
+  }
+
+  // The same for main loops compiled once for every kind: the kind is picked per tile, and the
+  // bias is never staged.
+  template <typename TensorC>
+  __device__ __forceinline__ void load_inputs(TileInputs& in, const TensorC& coords, int n_block,
+                                              bool elementwise) const {
+    with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { load_inputs(kind, in, coords, n_block, elementwise); });
+  }
+
+  template <typename TensorS, typename TensorC, typename Emit, typename = std::enable_if_t<!is_logit_kind_v<TensorS>>>
+  __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
+                                        const TileInputs& in, Emit&& emit) const {
+    with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { apply(kind, s, coords, n_block, elementwise, in, emit); });
+  }
+
   template <typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
                                         const TileInputs& in) const {
@@ -272,10 +335,6 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
     apply(s, coords, n_block, elementwise, in);
   }
 
-  // The same, then emit(r, c, z, dcap) for every element, indexed by (row, col) of the
-  // accumulator_as_rows_cols view, with dcap = dz/d(scale·qk) / scale: 1 - tanh² of the capped
-  // argument under softcap, 1 without. The backward turns z into P and dZ right there, so no
-  // second fragment stays live.
   template <typename TensorS, typename TensorC, typename Emit,
             typename = std::enable_if_t<std::is_invocable_v<Emit&, int, int, float, float>>>
   __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
@@ -285,64 +344,32 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
     apply(s, coords, n_block, elementwise, in, emit);
   }
 
-  template <typename TensorS, typename TensorC, typename Emit>
-  __device__ __forceinline__ void apply(TensorS& s, const TensorC& coords, int n_block, bool elementwise,
-                                        const TileInputs& in, Emit&& emit) const {
-    if (softcap > 0.f) {
-      apply_bias_kind<true>(s, coords, n_block, elementwise, in, emit);
-    } else {
-      apply_bias_kind<false>(s, coords, n_block, elementwise, in, emit);
-    }
-  }
-
  private:
-  // How a tile reads its bias: not at all, one row shared by every query row (a bias whose query
-  // dim is 1, the common (B, Hk, 1, Sk) case: each key's value is loaded once per tile), or a
-  // row per query row.
-  struct NoBias {
-    static constexpr bool kShared = false;
-  };
-  template <typename T, bool kSharedRow>
-  struct BiasRows {
-    using Element = T;
-    static constexpr bool kShared = kSharedRow;
-  };
-
-  template <bool kSoftcap, typename TensorS, typename TensorC, typename Emit>
-  __device__ __forceinline__ void apply_bias_kind(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise, const TileInputs& in, Emit& emit) const {
+  template <bool kSoftcap, typename F>
+  __device__ __forceinline__ void with_bias_source(F& f, bool staged) const {
     if (!has_bias) {
-      apply_elementwise<kSoftcap, NoBias>(s, coords, n_block, elementwise, in, emit);
-    } else if (bias_type == ElementType::float32) {
-      apply_bias_rows<kSoftcap, float>(s, coords, n_block, elementwise, in, emit);
-    } else if (bias_type == ElementType::bfloat16) {
-      apply_bias_rows<kSoftcap, cute::bfloat16_t>(s, coords, n_block, elementwise, in, emit);
+      f(LogitKind<kSoftcap, BiasSource::none>{});
+    } else if (bias_shared_row && staged) {
+      with_bias_element<kSoftcap, BiasSource::staged_row>(f);
+    } else if (bias_shared_row) {
+      with_bias_element<kSoftcap, BiasSource::shared_row>(f);
     } else {
-      apply_bias_rows<kSoftcap, cute::half_t>(s, coords, n_block, elementwise, in, emit);
+      with_bias_element<kSoftcap, BiasSource::per_row>(f);
     }
   }
 
-  template <bool kSoftcap, typename T, typename TensorS, typename TensorC, typename Emit>
-  __device__ __forceinline__ void apply_bias_rows(TensorS& s, const TensorC& coords, int n_block,
-                                                  bool elementwise, const TileInputs& in, Emit& emit) const {
-    if (bias_shared_row) {
-      apply_elementwise<kSoftcap, BiasRows<T, true>>(s, coords, n_block, elementwise, in, emit);
-    } else {
-      apply_elementwise<kSoftcap, BiasRows<T, false>>(s, coords, n_block, elementwise, in, emit);
+  template <bool kSoftcap, BiasSource kBias, typename F>
+  __device__ __forceinline__ void with_bias_element(F& f) const {
+    if (bias_type == ElementType::bfloat16) {
+      f(LogitKind<kSoftcap, kBias, cute::bfloat16_t>{});
+    } else if (bias_type == ElementType::float16) {
+      f(LogitKind<kSoftcap, kBias, cute::half_t>{});
+    } else if constexpr (kBias != BiasSource::staged_row) {  // staged values are 16-bit
+      f(LogitKind<kSoftcap, kBias, float>{});
     }
   }
 
-  template <bool kSoftcap, typename Bias, typename TensorS, typename TensorC, typename Emit>
-  __device__ __forceinline__ void apply_elementwise(TensorS& s, const TensorC& coords, int n_block,
-                                                    bool elementwise, const TileInputs& in, Emit& emit) const {
-    if (elementwise) {
-      apply_tile<kSoftcap, Bias, true>(s, coords, n_block, in, emit);
-    } else {
-      apply_tile<kSoftcap, Bias, false>(s, coords, n_block, in, emit);
-    }
-  }
-
-  // A bias value from the raw bits load_inputs() kept: fp32 as is, 16-bit in the low half.
+  // A bias value from raw bits: fp32 as is, 16-bit in the low half.
   template <typename T>
   __device__ __forceinline__ static float bias_from_bits(std::uint32_t bits) {
     if constexpr (std::is_same_v<T, float>) {
@@ -374,37 +401,41 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
   // Works on the (rows, cols) view of the tile. Keys are contiguous or broadcast (validated: key
   // stride 1, or 0 for size 1), so a key's offset is j or 0, computed from the tile's first key:
   // loop-variant, where per-element offsets from strides would be hoisted into registers.
-  template <bool kSoftcap, typename Bias, bool kElementwise, typename TensorS, typename TensorC, typename Emit>
+  template <typename Kind, bool kElementwise, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply_tile(TensorS& s_flat, const TensorC& coords_flat, int n_block,
                                              const TileInputs& in, Emit& emit) const {
     using namespace cute;
-    constexpr bool kBias = !std::is_same_v<Bias, NoBias>;
+    using T = typename Kind::BiasElement;
+    constexpr bool kSoftcap = Kind::kSoftcap;
+    constexpr BiasSource kBias = Kind::kBias;
     Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
     static_assert(decltype(size<1>(s))::value == kCols);
     const float logit_scale = kSoftcap ? scale / softcap : scale;
     const int n_begin = n_block * kBlockN;
-    // Keys past Sk (only in the last key tile, which is elementwise) read the last key: in
-    // bounds, and masked below.
-    auto bias_at = [&](int r, int j) {
-      if constexpr (kBias) {
-        const auto* row = reinterpret_cast<const typename Bias::Element*>(bias_row[r]);
-        return static_cast<float>(row[bias_key_broadcast ? 0 : kElementwise ? min(j, seqlen_k - 1) : j]);
-      } else {
-        return 0.f;
-      }
-    };
+    // A shared row's value at each of the thread's columns: from the raw bits load_inputs() kept,
+    // or from the staged row, read here, after S, so that no register holds it across the MMA.
     float shared_bias[kCols];
-    if constexpr (kBias && Bias::kShared) {
-      using T = typename Bias::Element;
-      if (!std::is_same_v<T, float> && !kElementwise && bias_pairs) {
-        CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_from_bits<T>(in.shared_bias[c & ~1] >> (16 * (c % 2)));
-      } else {
-        CUTE_UNROLL
-        for (int c = 0; c < kCols; ++c) shared_bias[c] = bias_from_bits<T>(in.shared_bias[c]);
+    if constexpr (kBias == BiasSource::shared_row) {
+      const bool pairs = !std::is_same_v<T, float> && !kElementwise && bias_pairs;
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        shared_bias[c] = bias_from_bits<T>(pairs ? in.shared_bias[c & ~1] >> (16 * (c % 2)) : in.shared_bias[c]);
+      }
+    } else if constexpr (kBias == BiasSource::staged_row) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 2) {
+        const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(in.staged + get<1>(coords(0, c)));
+        shared_bias[c] = bias_from_bits<T>(pair);
+        shared_bias[c + 1] = bias_from_bits<T>(pair >> 16);
       }
     }
+    // Row r's value at key j (per_row). Keys past Sk (only in the last key tile, which is
+    // elementwise) read the last key: in bounds, and masked below.
+    auto row_bias = [&](int r, int j) CUTLASS_LAMBDA_FUNC_INLINE {
+      const T* row = reinterpret_cast<const T*>(bias_row[r]);
+      return static_cast<float>(row[bias_key_broadcast ? 0 : kElementwise ? min(j, seqlen_k - 1) : j]);
+    };
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int i = row_index[r];
@@ -416,14 +447,20 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
         const int j = n_begin + get<1>(coords(0, c));
+        float bias = 0.f;
+        if constexpr (kBias == BiasSource::per_row) {
+          bias = row_bias(r, j);
+        } else if constexpr (kBias != BiasSource::none) {
+          bias = shared_bias[c];
+        }
         float z, dcap = 1.f;
         if constexpr (kSoftcap) {
           const float t = tanhf(s(r, c) * logit_scale);
           z = softcap * t;
           dcap = fmaf(-t, t, 1.f);
-          if constexpr (kBias) z += Bias::kShared ? shared_bias[c] : bias_at(r, j);
-        } else if constexpr (kBias) {
-          z = fmaf(s(r, c), logit_scale, Bias::kShared ? shared_bias[c] : bias_at(r, j));
+          if constexpr (kBias != BiasSource::none) z += bias;
+        } else if constexpr (kBias != BiasSource::none) {
+          z = fmaf(s(r, c), logit_scale, bias);
         } else {
           z = s(r, c) * logit_scale;
         }

@@ -20,7 +20,7 @@ struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr KvLoads kLoads = kLoads_;
-  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim);
+  static constexpr sm80::ForwardTile kTile = forward_tile(kHeadDim, kLoads);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kMmaThreads = kTile.warps * 32;  // the warpgroups that compute

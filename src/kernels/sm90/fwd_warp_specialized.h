@@ -95,8 +95,13 @@ __device__ __forceinline__ void produce_tiles(const ForwardTmaParams<Traits>& pa
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{});
   auto [tQgQ, tQsQ] = tma_partition(params.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-  auto [tKgK, tKsK] = tma_partition(params.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-  auto [tVgV, tVsV] = tma_partition(params.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+  // Plain variables, not structured bindings: the loads below are lambdas that capture them.
+  auto k_slices = tma_partition(params.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto v_slices = tma_partition(params.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+  auto& tKgK = get<0>(k_slices);
+  auto& tKsK = get<1>(k_slices);
+  auto& tVgV = get<0>(v_slices);
+  auto& tVsV = get<1>(v_slices);
 
   const std::uint16_t* bias_row = params.stage_bias ? static_cast<const std::uint16_t*>(p.bias.ptr) +
                                                           b * p.bias.batch_stride +
@@ -161,8 +166,19 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
   const RowMap rows{1, h, p.seqlen_q};
   const int row0 = m_block * kBlockM;
 
-  auto [mma_s, mma_o, tSrQ, tSrK, tOrV, acc_s, acc_o, tOrP, tScS, tOcO] =
-      forward_fragments<Traits>(tid, storage.q.data(), storage.k.data(), storage.v.data());
+  // Named references rather than a structured binding: the main loop below is a lambda, and
+  // C++17 lambdas cannot capture structured bindings.
+  auto fragments = forward_fragments<Traits>(tid, storage.q.data(), storage.k.data(), storage.v.data());
+  auto& mma_s = get<0>(fragments);
+  auto& mma_o = get<1>(fragments);
+  auto& tSrQ = get<2>(fragments);
+  auto& tSrK = get<3>(fragments);
+  auto& tOrV = get<4>(fragments);
+  auto& acc_s = get<5>(fragments);
+  auto& acc_o = get<6>(fragments);
+  auto& tOrP = get<7>(fragments);
+  auto& tScS = get<8>(fragments);
+  auto& tOcO = get<9>(fragments);
   Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
 
@@ -176,7 +192,9 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
   bool rescale_o = false;  // the last fold moved some row's reference max: O needs correction[]
 
   int n_block = tiles.first();
-  if (n_block >= 0) {
+  // The loop is compiled once per logit kind (LogitKind in mask_bias.h), each copy needing the
+  // registers of its kind alone.
+  if (n_block >= 0) policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
     typename Traits::Pipeline::PipelineState state_k, state_v;
     // The first consumer takes the first turn.
     if (turns.self == 1) turns.pass();
@@ -188,12 +206,12 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
     turns.wait();
     wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
     turns.pass();
-    policy.load_inputs(inputs, tScS, n_block, elementwise, staged_bias(state_k.index()));
+    policy.load_inputs(kind, inputs, tScS, n_block, elementwise, staged_bias(state_k.index()));
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
-    pipe_k.consumer_release(state_k);
+    policy.apply(kind, acc_s, tScS, n_block, elementwise, inputs);
+    pipe_k.consumer_release(state_k);  // after apply(): a staged bias row shares K's stage
     ++state_k;
-    policy.apply(acc_s, tScS, n_block, elementwise, inputs);
     rescale_o = softmax.fold(acc_s_rows, correction);
     convert_fragment_into(acc_s, tOrP);
 
@@ -208,13 +226,12 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
       pipe_v.consumer_wait(state_v);
       wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
       turns.pass();
-      // Read before K's stage is released: the bias row shares it.
-      policy.load_inputs(inputs, tScS, n_block, elementwise, staged_bias(state_k.index()));
+      policy.load_inputs(kind, inputs, tScS, n_block, elementwise, staged_bias(state_k.index()));
       warpgroup_wait<1>();  // S of this tile; the last tile's P·V may still run
       warpgroup_fence_operand(acc_s);
+      policy.apply(kind, acc_s, tScS, n_block, elementwise, inputs);
       pipe_k.consumer_release(state_k);
       ++state_k;
-      policy.apply(acc_s, tScS, n_block, elementwise, inputs);
       rescale_o = softmax.fold(acc_s_rows, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
@@ -230,7 +247,7 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipe_v.consumer_release(state_v);
-  }
+  }, stage_bias);
 
   // Each consumer's output rows overlay only its own rows of Q, which its last S = Q·Kᵀ has read.
   write_forward_output<Traits>(p, reinterpret_cast<char*>(storage.q.data()), mma_o, acc_o, tOcO, softmax, rows, row0,

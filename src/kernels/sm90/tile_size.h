@@ -8,9 +8,10 @@ namespace flash_dmattn::kernels::sm90 {
 
 // Two warpgroups of 64 query rows each (a wgmma is 64 rows tall), one CTA per SM. A thread holds
 // 64 x block_n / 128 logits, the 16-bit P of the previous key tile (its P·V wgmma runs while this
-// tile's softmax does) and 64 x D / 128 output accumulators. At D = 128, block_n = 128 needed
-// 2.3 KB of spills per thread (ptxas, sm_90a), and at D = 64 196 bytes; block_n = 64 fits (255
-// registers, 20 bytes of spills at D = 128 with the bias and mask loads issued ahead of S).
+// tile's softmax does) and 64 x D / 128 output accumulators. In the cp.async kernel below, at
+// D = 128, block_n = 128 needed 2.3 KB of spills per thread (ptxas, sm_90a), and at D = 64 196
+// bytes; block_n = 64 fits (255 registers, 20 bytes of spills at D = 128 with the bias and mask
+// loads issued ahead of S).
 //
 // How the forward's K and V tiles arrive: by cp.async from every thread, which then meet at a
 // barrier per tile (any strides), or by TMA from a producer warpgroup on mbarrier pipelines, which
@@ -18,12 +19,21 @@ namespace flash_dmattn::kernels::sm90 {
 // warpgroups (240 each).
 enum class KvLoads { cp_async, tma_producer };
 
-// Both ways of loading use the same tile: at block_n = 128 the warp-specialized kernel's
-// consumers spilled 1.8 KB per thread (ptxas, D = 128). At D <= 32 the output takes 16 registers
-// and 128-key tiles fit; they halve the barriers and waits per key (B1 H2 S16384 D32 causal,
+// The cp.async kernel holds 64-key tiles at D > 32 (above). The warp-specialized kernel's consumers hold 128-key tiles at every head dim,
+// which halves the barriers, waits and row reductions per key. They have 240 registers, and their
+// main loop is compiled once per logit kind (LogitKind in mask_bias.h): with every kind in one
+// loop they spilled 1.8 KB per thread at D = 128. Per kind (ptxas, sm_90a, bf16): no spill
+// instruction in the loops of a staged bias row (the common (B, Hk, 1, Sk) 16-bit bias) at
+// D = 64 and 128, nor without bias at D = 64; 5 at D = 128 without bias; 10 to 14 per loop with a
+// bias row read from global memory or a bias per query row at D = 128, and up to 52 with a bias
+// per query row at D = 64. On an H200 (B2 H16 Hk4 S8192 causal, one run, with the spills of the
+// single loop): 1.35 -> 1.11 ms at D = 128 without mask or bias, 1.63 -> 1.19 ms at D = 64 with
+// mask and bias.
+// At D <= 32 the output takes 16 registers and both kernels fit 128 keys (B1 H2 S16384 D32 causal,
 // mask + bias, H200, one run: 0.333 ms against 0.400 with 64-key tiles and 0.358 for sm80).
-constexpr sm80::ForwardTile forward_tile(int head_dim) {
-  return head_dim <= 32 ? sm80::ForwardTile{128, 128, 8, 1} : sm80::ForwardTile{128, 64, 8, 1};
+constexpr sm80::ForwardTile forward_tile(int head_dim, KvLoads loads) {
+  return head_dim <= 32 || loads == KvLoads::tma_producer ? sm80::ForwardTile{128, 128, 8, 1}
+                                                          : sm80::ForwardTile{128, 64, 8, 1};
 }
 
 // The backward: a CTA of two warpgroups owns a tile of block_n keys, whose dK and dV stay in
