@@ -5,8 +5,8 @@
 set(FLASH_DMATTN_ALL_HEAD_DIMS 32 64 96 128 192 256)
 set(FLASH_DMATTN_ALL_DTYPES float16 bfloat16)
 # Head dims of the sm90a forward; the others run the sm80 kernels. Larger ones: a thread's
-# 64 x D / 128 output accumulators and the loop's other state do not fit its registers yet. 32
-# runs 128-key tiles (sm90/tile_size.h).
+# 64 x D / 128 output accumulators and the loop's other state do not fit its registers yet. Its
+# tiles: sm90/tile_size.h.
 set(FLASH_DMATTN_SM90A_HEAD_DIMS 32 64 96 128)
 # Head dims of the sm90a backward (sm90/tile_size.h says how its warpgroups split the work).
 # Dense-equivalent backward, H200: D = 64 4.92 ms against 6.29 for sm80; D = 128 (split by query
