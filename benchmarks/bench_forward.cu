@@ -105,8 +105,8 @@ bool tile_visited(const Workload& w, int m0, int m1, int n0, int n1) {
 // Whether the library runs the sm90a forward here: an sm_90 GPU, FLASH_DMATTN_KERNELS not set to
 // sm80, a head dim of the sm90a family (32 to 128, src/kernels/manifest.cmake) and Sq > 16
 // (decode runs on sm80): choose_family in src/cuda/cuda_backend.cpp for these workloads. The
-// backward's family follows at D = 64 and 128, except that a deterministic one at D = 128 runs
-// sm80. The build is assumed to include the sm90a family, as it does by default for sm_90.
+// backward's family follows at D = 64 and 128 (deterministic mode included). The build is assumed
+// to include the sm90a family, as it does by default for sm_90.
 bool g_sm90_device = false;
 bool runs_sm90a(const Workload& w) {
   const char* forced = std::getenv("FLASH_DMATTN_KERNELS");

@@ -17,6 +17,7 @@
 #include "kernels/sm80/entry_points.h"
 #include "kernels/sm80/tile_size.h"
 #include "kernels/sm90/entry_points.h"
+#include "kernels/sm90/tma_operand.h"
 #include "kernels/sm90/tile_size.h"
 
 namespace flash_dmattn {
@@ -161,15 +162,7 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
     return KernelFamily::sm80;
   }
   const auto unavailable = sm90a_unavailable(p, arch, pass);
-  if (!unavailable) {
-    // Left to itself, a deterministic backward whose sm90a kernel splits by query rows runs the sm80
-    // one: measured on an H200 (D = 128 dense-equivalent, mask + bias, with dbias), 9.90 ms
-    // against 11.74 for sm90a, whose default mode is the faster (7.90 against 8.65).
-    const bool deterministic_rows_split =
-        pass == Pass::backward && p.deterministic &&
-        kernels::sm90::backward_tile(static_cast<int>(p.head_dim)).split == kernels::sm90::WarpgroupSplit::query_rows;
-    return mode == "auto" && deterministic_rows_split ? KernelFamily::sm80 : KernelFamily::sm90a;
-  }
+  if (!unavailable) return KernelFamily::sm90a;
   if (mode == "sm90a" && error) {
     *error = std::string("flash_dmattn: ") + kKernelsVariable + "=sm90a, but the sm90a " +
             (pass == Pass::forward ? "forward " : "backward ") + *unavailable;
@@ -212,6 +205,22 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   return plan;
 }
 
+// Whether an sm90a backward gets dQ from the dQ kernel, which sums it in registers over the key
+// tiles and writes it once, rather than from reductions of every (query tile, key tile) pair in
+// the key-tile kernel: at the head dims where that measures faster (sm90::has_dq_kernel) and where
+// TMA can address q, k, v and dout (the dQ kernel loads them so).
+bool dq_in_own_kernel(const BackwardArgs& a, const Problem& p) {
+  using namespace kernels::sm90;
+  if (!has_dq_kernel(static_cast<int>(p.head_dim))) return false;
+  const int head_dim = static_cast<int>(p.head_dim), batch = static_cast<int>(p.batch);
+  for (const TensorView* t : {&a.q, &a.k, &a.v, &a.dout}) {
+    const TmaOperand operand = tma_operand(t->data, static_cast<int>(t->shape[1]), static_cast<int>(t->shape[2]),
+                                           t->stride[1], t->stride[2], t->stride[0], head_dim, batch);
+    if (!tma_addressable(operand)) return false;
+  }
+  return true;
+}
+
 // How a backward runs: the kernel family, the grid (one CTA per key tile, or in deterministic
 // mode key_splits CTAs striding over them), how dbias is produced, and the workspace layout that
 // follows: [tile summary][Δ][dq accumulators][dbias accumulators].
@@ -220,6 +229,7 @@ struct BackwardPlan {
   int key_tiles = 0;
   int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
   int dq_slots = 1;
+  bool separate_dq = false;  // dQ by the sm90a dQ kernel: no dq slots (BackwardParams::separate_dq)
   kernels::BiasGrad dbias;  // everything but the pointers
   std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
 
@@ -238,7 +248,12 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
                                                               : kernels::sm80::backward_tile(head_dim).ctas_per_sm;
   plan.key_tiles = static_cast<int>((p.seqlen_k + block_n - 1) / block_n);
   const std::int64_t ctas_per_split = p.kv_heads * p.batch;
-  if (p.deterministic && ctas_per_split > 0) {
+  plan.separate_dq = plan.family == KernelFamily::sm90a && dq_in_own_kernel(a, p);
+  if (plan.separate_dq) {
+    // dK, dV and dBias have one writer per element on the default grid, and dQ none there.
+    plan.key_splits = std::max(1, plan.key_tiles);
+    plan.dq_slots = 0;
+  } else if (p.deterministic && ctas_per_split > 0) {
     // At most one wave (a CTA past it would double the time), and no more: every dq slot costs a
     // zeroed B·H·Sq·D fp32 buffer and a read in the reduction.
     const std::int64_t wave = std::int64_t(multiprocessors(p.device.index)) * ctas_per_sm;
@@ -325,6 +340,7 @@ kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p,
   b.dq_slots = plan.dq_slots;
   b.deterministic = p.deterministic;
   b.key_splits = plan.key_splits;
+  b.separate_dq = plan.separate_dq;
   return b;
 }
 
@@ -477,8 +493,10 @@ class CudaSm80Backend final : public BackendImpl {
       e = sm90a ? kernels::sm90::backward(params, stream) : kernels::sm80::backward(params, stream);
       if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a backward launch" : "the sm80 backward launch", e);
     }
-    e = kernels::reduce_dq(params, stream);
-    if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);
+    if (!plan.separate_dq) {
+      e = kernels::reduce_dq(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);
+    }
     if (a.dbias && !plan.dbias.direct) {
       e = kernels::reduce_bias_grad(params, stream);
       if (e != cudaSuccess) return cuda_failure("the dbias reduction launch", e);

@@ -128,6 +128,10 @@ struct BackwardParams {
   // into. Otherwise one CTA per key tile, all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
+  // dQ comes from a kernel of its own (sm90a, bwd_dq_mainloop.h), a CTA per query tile that sums
+  // it in registers over the key tiles: the key-tile kernel leaves dQ out, and there are no dq
+  // slots (dq_slots = 0) and no reduction.
+  bool separate_dq = false;
 };
 
 }  // namespace flash_dmattn::kernels

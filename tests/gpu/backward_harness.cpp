@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <thread>
@@ -213,6 +214,11 @@ void expect_exact_zeros(const char* name, const char* why, const std::vector<dou
 
 }  // namespace
 
+bool every_backward_deterministic() {
+  const char* value = std::getenv("FLASH_DMATTN_TEST_DETERMINISTIC");
+  return value && std::string(value) == "1";
+}
+
 BackwardProblem BackwardProblem::random(const BackwardCase& c, std::mt19937_64& rng) {
   BackwardProblem p;
   static_cast<ForwardProblem&>(p) = ForwardProblem::random(c, rng);
@@ -226,7 +232,7 @@ BackwardProblem BackwardProblem::random(const BackwardCase& c, std::mt19937_64& 
     const TensorView& b = p.bias->view;
     p.dbias = HostTensor::empty(b.dtype, {b.shape[0], b.shape[1], b.shape[2], b.shape[3]}, l.dbias_row_pad);
   }
-  p.deterministic = c.deterministic;
+  p.deterministic = c.deterministic || every_backward_deterministic();
   return p;
 }
 

@@ -53,8 +53,13 @@ struct BackwardProblem : ForwardProblem {
   std::optional<HostTensor> dbias;  // absent: no bias, or no bias gradient asked for
   bool deterministic = false;
 
+  // deterministic: c.deterministic, or every_backward_deterministic().
   static BackwardProblem random(const BackwardCase& c, std::mt19937_64& rng);
 };
+
+// FLASH_DMATTN_TEST_DETERMINISTIC=1 runs every backward problem in deterministic mode, so that the
+// kernels of that mode see the whole suite (scripts/gpu_check.sh runs it so once more).
+bool every_backward_deterministic();
 
 // The gradients the GPU wrote, copied back with their storage layout (padding included), and the
 // forward output the backward was given.

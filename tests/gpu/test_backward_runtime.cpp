@@ -99,8 +99,8 @@ void expect_deterministic_runs_bitwise_equal(int head_dim, cudaStream_t stream) 
 
 TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqual) { expect_deterministic_runs_bitwise_equal(64, stream()); }
 
-// On sm_90, D = 128 runs a kernel that splits its work by query rows where D = 64 splits by keys
-// (sm90/tile_size.h).
+// On sm_90, D = 128 runs a kernel that splits its work by query rows where D = 64 splits by keys,
+// and a dQ kernel of its own after it (sm90/tile_size.h).
 TEST_F(BackwardRuntime, DeterministicRunsAreBitwiseEqualAtHeadDim128) {
   expect_deterministic_runs_bitwise_equal(128, stream());
 }
@@ -324,12 +324,16 @@ TEST_F(BackwardLayouts, HeadMajorStorage) {
 }
 
 // dO read through a zero row stride, as autograd hands out the gradient of a sum over rows: TMA
-// cannot address it, so the sm90a kernel loads Q and dO with cp.async (bwd_q_do_loads.h).
+// cannot address it, so the sm90a kernel loads Q and dO with cp.async (bwd_q_do_loads.h), and a
+// deterministic backward keeps dQ in the key-tile kernel, in a slot per key split, where it
+// would otherwise run the dQ kernel (D = 128).
 TEST_F(BackwardLayouts, RowBroadcastDout) {
   auto rng = test_rng();
-  for (const std::int64_t head_dim : {64, 128}) {
-    SCOPED_TRACE("D=" + std::to_string(head_dim));
+  for (const auto& [head_dim, deterministic] :
+       {std::pair<std::int64_t, bool>{64, false}, {128, false}, {128, true}}) {
+    SCOPED_TRACE("D=" + std::to_string(head_dim) + (deterministic ? ", deterministic" : ""));
     BackwardCase c;
+    c.deterministic = deterministic;
     c.n = Sizes{2, 150, 270, 4, 2, head_dim};
     c.mask = OperandShape{true, c.n.Hk, true, true};
     c.bias = OperandShape{true, c.n.Hk, false, true};

@@ -114,15 +114,11 @@ __device__ __forceinline__ void probabilities(const Policy& policy, const typena
   });
 }
 
-// The second: acc_p: P from probabilities(); acc_dp: dP of the same tile, replaced by dZ, which
-// dBias reads. apply_softcap_grads() then makes it dS.
-template <int kBlockN, int kRows, typename AccS, typename Coords, typename DBias>
-__device__ __forceinline__ void logit_gradients_from_p(const BackwardParams& p, int h, int row0, int n_block,
-                                                       const BackwardRowStats<kRows>& stats, const AccS& acc_p,
-                                                       AccS& acc_dp, const Coords& coords, DBias& dbias) {
+// The second: acc_p: P from probabilities(); acc_dp: dP of the same tile, replaced by dZ.
+// apply_softcap_grads() then makes it dS.
+template <int kRows, typename AccS>
+__device__ __forceinline__ void logit_gradients(const BackwardRowStats<kRows>& stats, const AccS& acc_p, AccS& acc_dp) {
   using namespace cute;
-  const ForwardParams& f = p.fwd;
-  Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
   Tensor prob = make_tensor(acc_p.data(), accumulator_as_rows_cols(acc_p.layout()));
   Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
   constexpr int kCols = decltype(size<1>(dz))::value;
@@ -131,7 +127,18 @@ __device__ __forceinline__ void logit_gradients_from_p(const BackwardParams& p, 
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) dz(r, c) = prob(r, c) * (dz(r, c) - stats.dsum[r]);
   }
-  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, f.seqlen_q, f.seqlen_k);
+}
+
+// The same, adding dZ to dBias.
+template <int kBlockN, int kRows, typename AccS, typename Coords, typename DBias>
+__device__ __forceinline__ void logit_gradients_from_p(const BackwardParams& p, int h, int row0, int n_block,
+                                                       const BackwardRowStats<kRows>& stats, const AccS& acc_p,
+                                                       AccS& acc_dp, const Coords& coords, DBias& dbias) {
+  using namespace cute;
+  logit_gradients(stats, acc_p, acc_dp);
+  Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+  Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+  dbias.add_tile(dz, coords_rc, h, row0, n_block * kBlockN, p.fwd.seqlen_q, p.fwd.seqlen_k);
 }
 
 }  // namespace flash_dmattn::kernels

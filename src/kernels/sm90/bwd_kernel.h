@@ -1,14 +1,19 @@
-// The sm90a backward kernel entry and its launch: one CTA of two warpgroups per (key tile, KV
+// The sm90a backward kernel entries and their launch: one CTA of two warpgroups per (key tile, KV
 // head, batch), or in deterministic mode key_splits CTAs per (KV head, batch) that share out the
-// key tiles.
+// key tiles; where params.separate_dq, then the dQ kernel, one CTA per (query tile, query head,
+// batch).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "kernels/common/backward_grid.h"
+#include "kernels/common/forward_grid.h"
+#include "kernels/common/launch.h"
 #include "kernels/params.h"
+#include "kernels/sm90/bwd_dq_mainloop.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_q_do_loads.h"
+#include "kernels/sm90/tma_operand.h"
 #include "kernels/sm90/tma_rows.h"
 
 namespace flash_dmattn::kernels::sm90 {
@@ -25,14 +30,43 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   });
 }
 
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) dq_kernel(const __grid_constant__ DqTmaParams<Traits> params) {
+  extern __shared__ __align__(1024) char smem[];
+  const ForwardCta cta = forward_cta(params.p.fwd);
+  dq_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch);
+}
+
 template <typename Element, int kHeadDim>
-cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
-  using Traits = BackwardTraits<Element, kHeadDim>;
+cudaError_t run_dq(const BackwardParams& params, cudaStream_t stream) {
+  using Traits = DqTraits<Element, kHeadDim>;
+  using SmemTile = decltype(cute::take<0, 2>(typename Traits::SmemLayoutK{}));
   const ForwardParams& f = params.fwd;
-  TmaOperand q{f.q, f.seqlen_q, f.heads, f.q_row_stride, f.q_head_stride, f.q_batch_stride};
-  TmaOperand dout{params.dout, f.seqlen_q, f.heads, params.dout_row_stride, params.dout_head_stride,
-                  params.dout_batch_stride};
-  for (TmaOperand* t : {&q, &dout}) pack_unit_strides(*t, f.head_dim, f.batch);
+  const QkvOperands operands = qkv_operands(f);
+  const TmaOperand dout = dout_operand(params);
+  // The host plans separate_dq only where TMA can address all four (dq_in_own_kernel in cuda_backend.cpp).
+  if (!operands.addressable() || !tma_addressable(dout)) return cudaErrorInvalidValue;
+  const DqTmaParams<Traits> args{
+      params,
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(operands.q, f.head_dim, f.batch),
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(dout, f.head_dim, f.batch),
+      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.k, f.head_dim, f.batch),
+      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.v, f.head_dim, f.batch)};
+  constexpr int kSmem = Traits::kSmemBytes;
+  auto* kernel = &dq_kernel<Traits>;
+  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
+  kernel<<<forward_grid(f, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// The key-tile kernel on the grid of one CTA per key tile (or key split).
+template <typename Traits>
+cudaError_t run_key_tiles(const BackwardParams& params, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const ForwardParams& f = params.fwd;
+  const TmaOperand q = qkv_operands(f).q, dout = dout_operand(params);
   BackwardKernelParams<Traits> args{params, {}, {}, tma_addressable(q) && tma_addressable(dout)};
   if (args.tma) {
     using SmemStage = decltype(cute::take<0, 2>(typename Traits::SmemLayoutQ{}));
@@ -40,6 +74,20 @@ cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
     args.dout = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(dout, f.head_dim, f.batch);
   }
   return launch_backward<Traits>(&backward_kernel<Traits>, args, params, stream);
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
+  if constexpr (has_dq_kernel(kHeadDim)) {
+    if (params.separate_dq) {
+      const cudaError_t status = run_key_tiles<BackwardTraits<Element, kHeadDim, DqBy::dq_kernel>>(params, stream);
+      if (status != cudaSuccess || params.fwd.seqlen_q == 0 || params.fwd.heads == 0) return status;
+      return run_dq<Element, kHeadDim>(params, stream);
+    }
+  } else if (params.separate_dq) {
+    return cudaErrorInvalidValue;  // the host plans separate_dq only where has_dq_kernel holds
+  }
+  return run_key_tiles<BackwardTraits<Element, kHeadDim>>(params, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm90

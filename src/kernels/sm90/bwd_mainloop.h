@@ -3,7 +3,8 @@
 // tile_size.h) while the CTA walks, for each query head of the GQA group, the query tiles that
 // see one of its keys:
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P = exp(z - LSE), dZ = P∘(dP - Δ) (-> dBias), dS = dZ·(1 - tanh²)
-//   ->  dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ = dS·K (reduced into the workspace)
+//   ->  dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ = dS·K (reduced into the workspace, unless the dQ kernel
+//       computes it: DqBy in tile_size.h)
 // Every GEMM reads its operands from shared memory; P and dS get there in the input dtype. The
 // next query tile's Q and dO load behind the math (TMA or cp.async, bwd_q_do_loads.h), into the
 // other of two stages.
@@ -127,6 +128,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
   BiasGradTile<kBlockM, kBlockN, Traits::kNThreads, MmaColumnSums<Traits>> dbias(p, b, kv_h);
   const bool dbias_columns = dbias.g.kind == BiasGradKind::columns;
   const bool softcap = f.softcap > 0.f;
+  constexpr bool with_dq = Traits::kDqBy == DqBy::key_tiles;  // else the dQ kernel computes it
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
@@ -199,13 +201,15 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
     __syncthreads();
 
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    wgmma_issue<true>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+    if constexpr (with_dq) wgmma_issue<true>(mma_dq, tdQrdS, tdQrKt, acc_dq);
     if (dbias_columns) dbias.columns.issue(softcap ? at.dz : at.ds, at.ones);
     wgmma_issue<false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
     wgmma_issue<false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
-    warpgroup_wait<2>();  // dQ (and dbias); dV and dK may still run while dQ is reduced
-    warpgroup_fence_operand(acc_dq);
-    accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+    if constexpr (with_dq) {
+      warpgroup_wait<2>();  // dQ (and dbias); dV and dK may still run while dQ is reduced
+      warpgroup_fence_operand(acc_dq);
+      accumulate_dq(acc_dq, tdQcdQ, dq_accum_rows(p, b, h, split), row0, f.seqlen_q, f.head_dim);
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);

@@ -14,10 +14,11 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, DqBy kDqBy_ = DqBy::key_tiles>
 struct BackwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr DqBy kDqBy = kDqBy_;
   static constexpr BackwardTile kTile = backward_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;

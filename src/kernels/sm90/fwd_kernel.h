@@ -42,13 +42,8 @@ inline bool stageable_bias(const BroadcastOperand& bias, int seqlen_k) {
 template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using namespace cute;
-  TmaOperand q{params.q, params.seqlen_q, params.heads, params.q_row_stride, params.q_head_stride, params.q_batch_stride};
-  TmaOperand k{params.k, params.seqlen_k, params.kv_heads, params.k_row_stride, params.k_head_stride,
-               params.k_batch_stride};
-  TmaOperand v{params.v, params.seqlen_k, params.kv_heads, params.v_row_stride, params.v_head_stride,
-               params.v_batch_stride};
-  for (TmaOperand* t : {&q, &k, &v}) pack_unit_strides(*t, params.head_dim, params.batch);
-  const bool tma = params.pack_group == 1 && tma_addressable(q) && tma_addressable(k) && tma_addressable(v);
+  const QkvOperands operands = qkv_operands(params);
+  const bool tma = params.pack_group == 1 && operands.addressable();
   if (!tma) {
     using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
     return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
@@ -57,11 +52,12 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using Traits = ForwardTraits<Element, kHeadDim, KvLoads::tma_producer>;
   const ForwardTmaParams<Traits> tma_params{
       params,
-      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(q, params.head_dim, params.batch),
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(operands.q, params.head_dim,
+                                                                                      params.batch),
       make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutK{})), Traits::kBlockN, kHeadDim>(
-          k, params.head_dim, params.batch),
+          operands.k, params.head_dim, params.batch),
       make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutV{})), Traits::kBlockN, kHeadDim>(
-          v, params.head_dim, params.batch),
+          operands.v, params.head_dim, params.batch),
       stageable_bias(params.bias, params.seqlen_k)};
   constexpr int kSmem = Traits::kSmemBytes;
   auto* kernel = &forward_tma_kernel<Traits>;

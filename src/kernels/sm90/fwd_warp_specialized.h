@@ -1,16 +1,15 @@
 // The sm90a forward with TMA loads and warp specialization, for Q, K and V that TMA can address
-// (fwd_kernel.h checks). Three warpgroups per CTA:
+// (fwd_kernel.h checks). Three warpgroups per CTA (warp_specialization.h):
 //  - the producer (warpgroup 0) walks the active key tiles exactly as the consumers do, and loads
 //    Q once and the K and V tiles by TMA into two-stage mbarrier pipelines (CUTLASS's
-//    PipelineTmaAsync); it gives its registers away;
+//    PipelineTmaAsync), K one tile ahead of V; it gives its registers away;
 //  - two consumers of 64 query rows each run the algorithm of fwd_mainloop.h on those tiles, with
 //    no CTA-wide barrier per tile. They take turns issuing their wgmmas (two named barriers), so
 //    that one's softmax runs while the other's GEMMs do.
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
+#include <cstdint>
 
 #include "kernels/common/forward_epilogue.h"
 #include "kernels/common/fragment_layouts.h"
@@ -19,6 +18,7 @@
 #include "kernels/params.h"
 #include "kernels/sm90/fwd_fragments.h"
 #include "kernels/sm90/fwd_traits.h"
+#include "kernels/sm90/warp_specialization.h"
 #include "kernels/sm90/wgmma.h"
 
 namespace flash_dmattn::kernels::sm90 {
@@ -36,118 +36,6 @@ struct ForwardTmaParams {
   typename Traits::TmaV v;
   bool stage_bias;
 };
-
-// Named barriers (ids past CUTLASS's reserved ones): the consumers' turns, and their meeting
-// before the output leaves shared memory.
-enum class ConsumerBarrier : std::uint32_t { turn_of_first = 0, turn_of_second = 1, output_staged = 2 };
-inline constexpr int kConsumerThreads = 256;
-inline constexpr int kProducerRegisters = 24;   // the producer's warpgroup after it gives registers away
-inline constexpr int kConsumerRegisters = 240;  // 24·128 + 2·240·128 fits the 64K registers of an SM
-
-// The consumers' epilogue threads: indexed from 0, meeting at a named barrier.
-struct ConsumerThreads {
-  __device__ __forceinline__ int index() const { return threadIdx.x - 128; }
-  __device__ __forceinline__ void sync() const {
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<std::uint32_t>(ConsumerBarrier::output_staged));
-  }
-};
-
-// The consumers take turns issuing their GEMMs of a key tile: wait for this warpgroup's turn,
-// issue, then hand the turn to the other.
-struct WgmmaTurns {
-  int self;  // 0 or 1: which consumer
-  __device__ __forceinline__ void wait() const {
-    cutlass::arch::NamedBarrier::sync(2 * 128, static_cast<std::uint32_t>(self));
-  }
-  __device__ __forceinline__ void pass() const {
-    cutlass::arch::NamedBarrier::arrive(2 * 128, static_cast<std::uint32_t>(1 - self));
-  }
-};
-
-template <typename Traits>
-using KeyTiles = KeyTileClassifier<Traits::kBlockM, Traits::kBlockN>;
-
-// The producer: warp 0 of warpgroup 0 walks the tiles (the walk needs a whole warp for its
-// ballots); its lane 0 (the pipelines' leader) issues every TMA load.
-template <typename Traits>
-__device__ __forceinline__ void produce_tiles(const ForwardTmaParams<Traits>& params, typename Traits::SharedStorage& storage,
-                                              typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                                              int m_block, int h, int b, int split) {
-  using namespace cute;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  const ForwardParams& p = params.p;
-  if (threadIdx.x >= 32) return;
-  const bool leader = threadIdx.x == 0;
-  const int kv_h = h / (p.heads / p.kv_heads);
-
-  const KeyTiles<Traits> classifier(p, b, RowMap{1, h, p.seqlen_q}, m_block * kBlockM);
-  SplitTileWalk<KeyTiles<Traits>> tiles(classifier, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
-  int n_block = tiles.first();
-  if (n_block < 0) return;
-
-  Tensor mQ = params.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
-  Tensor mK = params.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.kv_heads, p.batch));
-  Tensor mV = params.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.kv_heads, p.batch));
-  Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-  Tensor gK = local_tile(mK(_, _, kv_h, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-  Tensor gV = local_tile(mV(_, _, kv_h, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-  Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{});
-  auto [tQgQ, tQsQ] = tma_partition(params.q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-  // Plain variables, not structured bindings: the loads below are lambdas that capture them.
-  auto k_slices = tma_partition(params.k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-  auto v_slices = tma_partition(params.v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-  auto& tKgK = get<0>(k_slices);
-  auto& tKsK = get<1>(k_slices);
-  auto& tVgV = get<0>(v_slices);
-  auto& tVsV = get<1>(v_slices);
-
-  const std::uint16_t* bias_row = params.stage_bias ? static_cast<const std::uint16_t*>(p.bias.ptr) +
-                                                          b * p.bias.batch_stride +
-                                                          (h / p.bias.head_divisor) * p.bias.head_stride
-                                                    : nullptr;
-  auto state_k = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  auto state_v = state_k;
-  auto load_k = [&](int n) {
-    if (leader) {
-      pipe_k.producer_acquire(state_k);
-      std::uint64_t* loaded = pipe_k.producer_get_barrier(state_k);
-      copy(params.k.with(*loaded, 0), tKgK(_, n), tKsK(_, state_k.index()));
-      if (params.stage_bias) {
-        // The last tile copies only the keys before Sk and completes the rest of the bytes its
-        // barrier expects itself; the consumers mask those keys.
-        const int keys = min(kBlockN, p.seqlen_k - n * kBlockN);
-        SM90_BULK_COPY_G2S::copy(bias_row + n * kBlockN, loaded, storage.bias.data() + state_k.index() * kBlockN,
-                                 keys * 2);
-        if (keys < kBlockN) {
-          cutlass::arch::ClusterTransactionBarrier::complete_transaction(loaded, 0, (kBlockN - keys) * 2, 1);
-        }
-      }
-    }
-    ++state_k;
-  };
-  auto load_v = [&](int n) {
-    if (leader) {
-      pipe_v.producer_acquire(state_v);
-      copy(params.v.with(*pipe_v.producer_get_barrier(state_v), 0), tVgV(_, n), tVsV(_, state_v.index()));
-    }
-    ++state_v;
-  };
-
-  if (leader) {
-    storage.q_loaded.arrive_and_expect_tx(Traits::kBlockM * kHeadDim * sizeof(typename Traits::Element));
-    copy(params.q.with(reinterpret_cast<std::uint64_t&>(storage.q_loaded), 0), tQgQ, tQsQ);
-  }
-  // The consumers read K of a tile, then V of the one before: K runs one tile ahead.
-  load_k(n_block);
-  while (n_block >= 0) {
-    const int next = tiles.at_or_below(n_block - 1);
-    if (next >= 0) load_k(next);
-    load_v(n_block);
-    n_block = next;
-  }
-}
 
 // A consumer: warpgroup 1 or 2, query rows 64·(warpgroup - 1) of the tile. Per active key tile, in
 // descending order:
@@ -257,31 +145,28 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
 template <typename Traits>
 __device__ __forceinline__ void forward_tile_warp_specialized(const ForwardTmaParams<Traits>& params, char* smem,
                                                               int m_block, int h, int b, int split) {
-  using Pipeline = typename Traits::Pipeline;
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
-  const int warpgroup = threadIdx.x / 128;
-
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Traits::kTileBytes;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = kConsumerThreads;
-  Pipeline pipe_v(storage.pipeline_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  if (params.stage_bias) pipe_params.transaction_bytes += Traits::kBlockN * sizeof(std::uint16_t);
-  Pipeline pipe_k(storage.pipeline_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  if (threadIdx.x == 0) {
-    storage.q_loaded.init(1);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();  // every barrier initialized before anyone waits on or arrives at one
-
-  if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    produce_tiles<Traits>(params, storage, pipe_k, pipe_v, m_block, h, b, split);
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    consume_tiles<Traits>(params.p, params.stage_bias, storage, pipe_k, pipe_v, m_block, h, b, split);
-  }
+  const ForwardParams& p = params.p;
+  const std::uint32_t bias_bytes = params.stage_bias ? Traits::kBlockN * sizeof(std::uint16_t) : 0;
+  run_warp_specialized<Traits>(
+      storage, bias_bytes,
+      [&](typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v) CUTLASS_LAMBDA_FUNC_INLINE {
+        const std::uint16_t* bias_row =
+            params.stage_bias ? static_cast<const std::uint16_t*>(p.bias.ptr) + b * p.bias.batch_stride +
+                                    (h / p.bias.head_divisor) * p.bias.head_stride
+                              : nullptr;
+        auto load_q = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+          auto& loaded = reinterpret_cast<std::uint64_t&>(storage.q_loaded);
+          storage.q_loaded.arrive_and_expect_tx(Traits::kBlockM * Traits::kHeadDim * sizeof(typename Traits::Element));
+          load_query_tile<typename Traits::SmemLayoutQ, Traits::kBlockM, Traits::kHeadDim>(
+              params.q, p, storage.q.data(), loaded, m_block, h, b);
+        };
+        produce_tiles<Traits, KvOrder::k_ahead>(p, KvLoadSource<Traits>{params.k, params.v, bias_row}, storage, pipe_k,
+                                                pipe_v, m_block, h, b, split, load_q);
+      },
+      [&](typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v) CUTLASS_LAMBDA_FUNC_INLINE {
+        consume_tiles<Traits>(p, params.stage_bias, storage, pipe_k, pipe_v, m_block, h, b, split);
+      });
 }
 
 }  // namespace flash_dmattn::kernels::sm90

@@ -59,4 +59,15 @@ constexpr BackwardTile backward_tile(int head_dim) {
   return {128, 64, 2, 1, WarpgroupSplit::query_rows};
 }
 
+// Where dQ comes from: reductions of every (query tile, key tile) pair by the key-tile kernel, or
+// a kernel of its own after it (bwd_dq_mainloop.h), for which the key-tile kernel is compiled
+// without its dQ GEMM (a run-time branch around a wgmma serializes all of them: ptxas C7514).
+enum class DqBy { key_tiles, dq_kernel };
+
+// Whether the dQ kernel exists for a head dim: where the key-tile kernel splits by query rows,
+// whose dQ reductions per key are twice the keys split's. Measured on an H200 (B2 H16 Hk4 8192
+// causal, all-true mask, bias (B,Hk,1,Sk)): D128 backward 5.84 -> 5.35 ms, deterministic 9.70 ->
+// 5.33; D64 (keys split) 4.65 -> 5.42 in a first version (docs/architecture.md).
+constexpr bool has_dq_kernel(int head_dim) { return backward_tile(head_dim).split == WarpgroupSplit::query_rows; }
+
 }  // namespace flash_dmattn::kernels::sm90
