@@ -4,7 +4,9 @@
 # from PyPI. Safe to run again.
 #
 # With --python (scripts/test.sh passes it), also a virtual environment in build/python-venv with
-# numpy and pytest, into which the tests install the Python package.
+# numpy, pytest, torch, transformers and matplotlib from PyPI, into which the tests install the
+# Python package, so that the torch, transformers and plotting tests run (on the CPU where there is
+# no GPU). Each is installed only where it is missing, so a second run downloads nothing.
 set -euo pipefail
 
 CUTLASS_PIN="nvidia-cutlass==4.2.0.0"
@@ -35,5 +37,20 @@ if [ "${1:-}" = "--python" ]; then
     echo "setup: creating the virtual environment build/python-venv"
     python3 -m venv "$venv"
   fi
-  "$venv/bin/python" -m pip install -q numpy pytest
+  # The import name of each package, then the requirement that pip installs where it is missing.
+  # PyPI's torch wheel for Linux x86-64 is the CUDA build (it brings the nvidia-* libraries, a few
+  # GB); it runs on a machine without a GPU as well.
+  wanted=(numpy:numpy pytest:pytest torch:"torch>=2.4" transformers:transformers
+          matplotlib:matplotlib)
+  reqs=()
+  for w in "${wanted[@]}"; do
+    "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('${w%%:*}') is None)" \
+      || reqs+=("${w#*:}")
+  done
+  if [ ${#reqs[@]} -gt 0 ]; then
+    echo "setup: installing ${reqs[*]} into build/python-venv"
+    start=$SECONDS
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "${reqs[@]}"
+    echo "setup: the Python packages took $((SECONDS - start)) s"
+  fi
 fi

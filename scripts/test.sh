@@ -8,6 +8,7 @@ bash scripts/build.sh
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
 # The Python package, built without CUDA (the build above already compiled the kernels), and its
-# tests; those that need torch or a GPU skip themselves here.
+# tests (torch, transformers and matplotlib are in the venv: those that need a GPU skip themselves
+# where there is none, the others run on the CPU).
 FLASH_DMATTN_CUDA=OFF build/python-venv/bin/python -m pip install -q .
 build/python-venv/bin/python -m pytest -q tests/python
