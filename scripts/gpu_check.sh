@@ -9,8 +9,12 @@
 # when present), CMAKE_EXTRA (more configure flags), SKIP_TESTS=1, SKIP_BENCH=1, SKIP_SANITIZERS=1,
 # GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the GPU suite and the
 # benchmark run twice: with the default kernels (the sm90a ones where they apply) and with
-# FLASH_DMATTN_KERNELS=sm80, and the backward tests a third time, all in deterministic mode
-# (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER narrows them).
+# FLASH_DMATTN_KERNELS=sm80 (GPU_SM80_FILTER narrows that run), and the backward tests a third
+# time, all in deterministic mode (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER
+# narrows them).
+# PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
+# (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
+# it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/flash_dmattn_gpu_check}"
@@ -26,8 +30,18 @@ archs="${FLASH_DMATTN_CUDA_ARCHS:-$([ "${cc:-80}" -ge 90 ] && echo 90-real || ec
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/device.txt"
 
 start=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
-  ${CMAKE_EXTRA:-} > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
+python_flags=()
+if [ -n "${PYTHON_TESTS:-}" ]; then
+  python_flags=(-DFLASH_DMATTN_BUILD_PYTHON=ON)
+  [ -d .carry/nanobind_pkg ] && python_flags+=(-Dnanobind_DIR="$PWD/.carry/nanobind_pkg/nanobind/cmake")
+fi
+configure() {
+  cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
+    "$@" ${CMAKE_EXTRA:-} > "$LOGS/configure.log" 2>&1
+}
+# Without the module (no Python headers, say) the C++ suites still run.
+configure "${python_flags[@]}" || { [ ${#python_flags[@]} -gt 0 ] && cp "$LOGS/configure.log" "$LOGS/configure_python.log" &&
+  configure -DFLASH_DMATTN_BUILD_PYTHON=OFF; } || { tail -30 "$LOGS/configure.log"; exit 1; }
 # -k 0: a target that fails to build does not keep the others (the benchmark, say) from running.
 cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$LOGS/build.log" 2>&1 || grep -E "error|Error" "$LOGS/build.log" | head -40
 build_s=$(( $(date +%s) - start ))
@@ -41,7 +55,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   gpu_rc=$?
   if [ "${cc:-80}" -eq 90 ]; then
     FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-      --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
+      --gtest_filter="${GPU_SM80_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
     sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
     tail -5 "$LOGS/gpu_tests_sm80.log"
   fi
@@ -54,6 +68,23 @@ fi
 gpu_s=$(( $(date +%s) - start ))
 save_logs
 [ -f "$LOGS/gpu_tests.log" ] && tail -30 "$LOGS/gpu_tests.log"
+
+python_line=""
+if [ -n "${PYTHON_TESTS:-}" ]; then
+  module="$(find build-gpu -maxdepth 2 -name '_C*.so' | head -1)"
+  site="$(mktemp -d)"
+  cp -r python/flash_dmattn "$site/"
+  [ -n "$module" ] && cp "$module" "$site/flash_dmattn/"
+  if ! python3 -c "import pytest" 2>/dev/null && [ -d .carry/py ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$site" .carry/py/*.whl
+  fi
+  files=()
+  for f in $PYTHON_TESTS; do files+=("tests/python/$f"); done
+  PYTHONPATH="$site" timeout "${PYTHON_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider "${files[@]}" \
+    > "$LOGS/python_tests.log" 2>&1 || gpu_rc=1
+  python_line="Python tests (${PYTHON_TESTS}): $(tail -1 "$LOGS/python_tests.log")"
+  save_logs
+fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   build-gpu/flash_dmattn_bench_forward --json "$OUT/bench_forward.json" > "$LOGS/bench_forward.txt" 2>&1
@@ -93,6 +124,7 @@ echo "================ summary ================"
 cat "$LOGS/device.txt"
 echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -sE '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests.log" | tr '\n' ' ')"
 [ -n "$sm80_line" ] && echo "$sm80_line"
+[ -n "$python_line" ] && echo "$python_line"
 echo "sanitizers: $san"
 [ -f "$LOGS/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$LOGS/bench_forward_sm80.txt"; }
 [ -f "$LOGS/bench_forward.txt" ] && cat "$LOGS/bench_forward.txt"

@@ -395,7 +395,10 @@ class CudaSm80Backend final : public BackendImpl {
           "needs q, k, v and out with 16-byte aligned rows: base pointers aligned to 16 bytes and batch, row and "
           "head strides that are multiples of 8 elements");
     }
-    if (p.batch > 65535 || p.heads > 65535) return std::string("supports at most 65535 batches and 65535 heads");
+    // The kernels hold batch and head indices in 32 bits; their grids run along grid.x (launch.h),
+    // which takes 2^31 - 1 CTAs: far more than memory can hold the tensors of.
+    if (p.batch > INT_MAX) return "supports at most 2^31 - 1 batches, got " + std::to_string(p.batch);
+    if (p.heads > INT_MAX) return "supports at most 2^31 - 1 heads, got " + std::to_string(p.heads);
     if (pass == Pass::backward) {
       const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
       int available = 0;
@@ -408,7 +411,8 @@ class CudaSm80Backend final : public BackendImpl {
                " bytes of shared memory per block, the device allows " + std::to_string(available);
       }
     }
-    if (p.seqlen_q > INT_MAX / 2 || p.seqlen_k > INT_MAX / 2) return std::string("supports lengths below 2^30");
+    if (p.seqlen_q > INT_MAX / 2) return "supports seqlen_q below 2^30, got " + std::to_string(p.seqlen_q);
+    if (p.seqlen_k > INT_MAX / 2) return "supports seqlen_k below 2^30, got " + std::to_string(p.seqlen_k);
     return std::nullopt;
   }
 

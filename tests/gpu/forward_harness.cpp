@@ -135,6 +135,26 @@ GpuOutputs GpuForward::finish() const {
   return result;
 }
 
+reference::Inputs query_rows(const reference::Inputs& in, std::int64_t first, std::int64_t rows, QueryRowViews& views) {
+  const std::int64_t Sq = in.q.shape[1], Sk = in.k.shape[1];
+  // Causal visibility j <= i + Sk - Sq is aligned to the last row: rows ending at row
+  // first + rows keep that alignment over the first Sk - (Sq - first - rows) keys, and the keys
+  // after those are hidden from all of them anyway.
+  const std::int64_t keys = in.causal ? std::max<std::int64_t>(0, Sk - (Sq - first - rows)) : Sk;
+  reference::Inputs part = in;
+  part.q = slice(in.q, 1, first, rows);
+  part.k = slice(in.k, 1, 0, keys);
+  part.v = slice(in.v, 1, 0, keys);
+  for (auto [operand, view] : {std::make_pair(in.mask, &views.mask), std::make_pair(in.bias, &views.bias)}) {
+    if (!operand) continue;
+    *view = operand->shape[2] == 1 ? *operand : slice(*operand, 2, first, rows);
+    if (view->shape[3] != 1) view->shape[3] = keys;
+  }
+  part.mask = in.mask ? &views.mask : nullptr;
+  part.bias = in.bias ? &views.bias : nullptr;
+  return part;
+}
+
 reference::ForwardResult reference_forward(const reference::Inputs& in) {
   const std::int64_t B = in.q.shape[0], Sq = in.q.shape[1], H = in.q.shape[2], D = in.q.shape[3];
   const std::int64_t Sk = in.k.shape[1];
@@ -152,22 +172,8 @@ reference::ForwardResult reference_forward(const reference::Inputs& in) {
   host::parallel_for(blocks, static_cast<int>(lanes), [&](std::int64_t block, int) {
     const std::int64_t first = block * rows_per_block, rows = std::min(rows_per_block, Sq - first);
     if (rows <= 0) return;
-    // Causal visibility j <= i + Sk - Sq is aligned to the last row: a block ending at row
-    // first + rows keeps that alignment over the first Sk - (Sq - first - rows) keys, and the
-    // keys after those are hidden from all of its rows anyway.
-    const std::int64_t keys = in.causal ? std::max<std::int64_t>(0, Sk - (Sq - first - rows)) : Sk;
-    reference::Inputs part = in;
-    part.q = slice(in.q, 1, first, rows);
-    part.k = slice(in.k, 1, 0, keys);
-    part.v = slice(in.v, 1, 0, keys);
-    TensorView mask, bias;
-    for (auto [operand, view] : {std::make_pair(in.mask, &mask), std::make_pair(in.bias, &bias)}) {
-      if (!operand) continue;
-      *view = operand->shape[2] == 1 ? *operand : slice(*operand, 2, first, rows);
-      if (view->shape[3] != 1) view->shape[3] = keys;
-    }
-    part.mask = in.mask ? &mask : nullptr;
-    part.bias = in.bias ? &bias : nullptr;
+    QueryRowViews views;
+    const reference::Inputs part = query_rows(in, first, rows, views);
     const reference::ForwardResult r_part = reference::forward(part);
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < rows; ++i) {
@@ -202,6 +208,26 @@ void expect_outputs_match_reference(const ForwardProblem& p, const GpuOutputs& g
         }
       }
   EXPECT_EQ(nonzero, 0) << "nonzero out elements in rows with no visible key";
+}
+
+void expect_rows_match_reference(const ForwardProblem& p, const GpuOutputs& gpu, std::int64_t first, std::int64_t rows) {
+  const Sizes& n = p.n;
+  QueryRowViews views;
+  const reference::Inputs in = query_rows(p.inputs(), first, rows, views);
+  const reference::ForwardResult ref = reference_forward(in);
+  const reference::ForwardResult lowp = lowp::forward(in);
+  const std::vector<double> all_out = gpu.out.values(), all_lse = gpu.lse.values();
+  std::vector<double> out, lse;
+  for (std::int64_t b = 0; b < n.B; ++b) {
+    const auto row0 = all_out.begin() + ((b * n.Sq + first) * n.H) * n.D;
+    out.insert(out.end(), row0, row0 + rows * n.H * n.D);
+    for (std::int64_t h = 0; h < n.H; ++h) {
+      const auto lse0 = all_lse.begin() + (b * n.H + h) * n.Sq + first;
+      lse.insert(lse.end(), lse0, lse0 + rows);
+    }
+  }
+  EXPECT_TRUE(within_tolerance("out", out, lowp.out, ref.out, p.out.view.dtype, {n.B, rows, n.H, n.D}));
+  EXPECT_TRUE(within_tolerance("lse", lse, lowp.lse, ref.lse, DType::float32, {n.B, n.H, rows}));
 }
 
 void expect_forward_matches_reference(const ForwardProblem& p, cudaStream_t stream) {

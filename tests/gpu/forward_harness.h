@@ -103,6 +103,19 @@ class GpuForward {
 // cannot keep the host's threads busy.
 reference::ForwardResult reference_forward(const reference::Inputs& inputs);
 
+// Query rows [first, first + rows) of a problem as a problem of their own, causal alignment kept
+// (for a reference of a few rows where the whole problem is too large); the mask and bias views
+// it points at live in `views`.
+struct QueryRowViews {
+  TensorView mask, bias;
+};
+reference::Inputs query_rows(const reference::Inputs& inputs, std::int64_t first, std::int64_t rows,
+                             QueryRowViews& views);
+
+// out and lse of query rows [first, first + rows) against their reference.
+void expect_rows_match_reference(const ForwardProblem& problem, const GpuOutputs& gpu, std::int64_t first,
+                                 std::int64_t rows);
+
 // out and lse against the reference under the tolerance rule; rows with no visible key must
 // hold exactly out = 0 and lse = +inf.
 void expect_outputs_match_reference(const ForwardProblem& problem, const GpuOutputs& gpu);

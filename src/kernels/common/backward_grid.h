@@ -12,18 +12,28 @@
 
 namespace flash_dmattn::kernels {
 
+// The grid: x the key tiles of kBlockN keys (key_splits in deterministic mode), y the KV head, z
+// the batch; folded into grid.x (launch.h).
+__host__ __device__ inline GridShape backward_grid_shape(const BackwardParams& p, int block_n) {
+  const int key_tiles = (p.fwd.seqlen_k + block_n - 1) / block_n;
+  return {p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch};
+}
+
 // Calls tile(n_block, kv_head, batch, split) for every key tile of this CTA. Key tile 0 sees the
 // most query tiles under causal masking: the lowest indices start first. In deterministic mode
-// (gridDim.x < key tiles) CTA s takes one key tile of every group of gridDim.x, s-th from the
+// (fewer CTAs than key tiles) CTA s takes one key tile of every group of that many, s-th from the
 // front in even groups and from the back in odd ones: under causal masking every CTA then gets
 // about the same number of query tiles (with a plain stride over 128 key tiles, CTA 0 of 16 had
 // 26% more than CTA 15, and the whole grid waited for it).
 template <int kBlockN, typename TileFn>
 __device__ __forceinline__ void for_each_key_tile(const BackwardParams& p, TileFn&& tile) {
   const int key_tiles = (p.fwd.seqlen_k + kBlockN - 1) / kBlockN;
-  for (int group = 0; group * gridDim.x < key_tiles; ++group) {
-    const int n_block = group % 2 == 0 ? group * gridDim.x + blockIdx.x : (group + 1) * gridDim.x - 1 - blockIdx.x;
-    if (n_block < key_tiles) tile(n_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x));
+  const GridShape shape = backward_grid_shape(p, kBlockN);
+  const GridCoords cta = unfold_block(shape);
+  const int ctas = static_cast<int>(shape.x);
+  for (int group = 0; group * ctas < key_tiles; ++group) {
+    const int n_block = group % 2 == 0 ? group * ctas + cta.x : (group + 1) * ctas - 1 - cta.x;
+    if (n_block < key_tiles) tile(n_block, cta.y, cta.z, cta.x);
   }
 }
 
@@ -80,11 +90,13 @@ template <typename Traits, typename KernelArgs>
 cudaError_t launch_backward(void (*kernel)(KernelArgs), const KernelArgs& args, const BackwardParams& p,
                             cudaStream_t stream) {
   constexpr int kSmem = Traits::kSmemBytes;
-  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
   if (status != cudaSuccess) return status;
   const int key_tiles = (p.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   if (key_tiles == 0) return cudaSuccess;
-  const dim3 grid(p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch);
+  dim3 grid;
+  status = folded_grid(backward_grid_shape(p, Traits::kBlockN), &grid);
+  if (status != cudaSuccess) return status;
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(args);
   return cudaGetLastError();
 }

@@ -129,8 +129,10 @@ struct BiasGradTile {
     const int row_begin = m_block_begin * kBlockM, rows = min(m_block_end * kBlockM, seqlen_q) - row_begin;
     const int cols = min(kBlockN, seqlen_k - n_begin);
     const std::int64_t base = batch * g.batch_stride + (head / g.head_divisor) * g.head_stride;
-    for (int e = threadIdx.x; e < rows * kBlockN; e += kThreads) {
-      const int i = row_begin + e / kBlockN, j = e % kBlockN;
+    // In 64 bits: the skipped tiles may span all of Sq, and rows · kBlockN passes 2^31 from Sq = 2^31 / kBlockN.
+    const std::int64_t elems = std::int64_t(rows) * kBlockN;
+    for (std::int64_t e = threadIdx.x; e < elems; e += kThreads) {
+      const int i = row_begin + static_cast<int>(e / kBlockN), j = static_cast<int>(e % kBlockN);
       if (j < cols) store_rounded(g.type, g.out, base + i * g.row_stride + n_begin + j, 0.f);
     }
   }

@@ -1,7 +1,7 @@
 // Where a forward CTA sits in its grid, for every kernel family: x walks the query tiles in
 // reverse (under causal masking the last tiles see the most keys, so they start first and the
 // short ones fill the tail of the grid), y is the query head (the KV head with GQA packing), z
-// the batch and the split-KV share.
+// the batch and the split-KV share; all folded into grid.x (launch.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,25 +15,37 @@ struct ForwardCta {
   int m_block, head, batch, split;
 };
 
-__device__ __forceinline__ ForwardCta forward_cta(const ForwardParams& p) {
-  return {static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
-          static_cast<int>(blockIdx.z) / p.num_splits, static_cast<int>(blockIdx.z) % p.num_splits};
+__host__ __device__ inline GridShape forward_grid_shape(const ForwardParams& p, int block_m) {
+  const std::int64_t rows = std::int64_t(p.seqlen_q) * p.pack_group;
+  return {(rows + block_m - 1) / block_m, p.pack_group > 1 ? p.kv_heads : p.heads, std::int64_t(p.batch) * p.num_splits};
 }
 
-inline dim3 forward_grid(const ForwardParams& p, int block_m) {
-  const int rows = p.seqlen_q * p.pack_group;
-  return dim3((rows + block_m - 1) / block_m, p.pack_group > 1 ? p.kv_heads : p.heads, p.batch * p.num_splits);
+// The CTA's place in the grid of query tiles of block_m rows (launch_forward's).
+__device__ __forceinline__ ForwardCta forward_cta(const ForwardParams& p, int block_m) {
+  const GridShape shape = forward_grid_shape(p, block_m);
+  const GridCoords c = unfold_block(shape);
+  return {static_cast<int>(shape.x) - 1 - c.x, c.y, c.z / p.num_splits, c.z % p.num_splits};
+}
+
+// Launches `kernel(args)` over the grid of query tiles of block_m rows, with kSmem bytes of
+// dynamic shared memory.
+template <int kSmem, typename KernelArgs>
+cudaError_t launch_query_tiles(void (*kernel)(KernelArgs), const KernelArgs& args, const ForwardParams& p, int block_m,
+                               unsigned threads, cudaStream_t stream) {
+  cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
+  dim3 grid;
+  status = folded_grid(forward_grid_shape(p, block_m), &grid);
+  if (status != cudaSuccess) return status;
+  kernel<<<grid, threads, kSmem, stream>>>(args);
+  return cudaGetLastError();
 }
 
 // Launches a forward kernel of Traits over that grid on `stream`, with the dynamic shared memory
 // its tiles take.
 template <typename Traits>
 cudaError_t launch_forward(void (*kernel)(ForwardParams), const ForwardParams& p, cudaStream_t stream) {
-  constexpr int kSmem = Traits::kSmemBytes;
-  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
-  if (status != cudaSuccess) return status;
-  kernel<<<forward_grid(p, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_query_tiles<Traits::kSmemBytes>(kernel, p, p, Traits::kBlockM, Traits::kNThreads, stream);
 }
 
 }  // namespace flash_dmattn::kernels

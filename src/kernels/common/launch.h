@@ -1,5 +1,8 @@
-// What every kernel launch with dynamic shared memory needs first.
+// What every kernel launch needs: its grid folded into grid.x, and dynamic shared memory above
+// 48 KB allowed first.
 #pragma once
+
+#include <cstdint>
 
 #include <cuda_runtime.h>
 
@@ -13,5 +16,36 @@ cudaError_t allow_dynamic_smem(Kernel* kernel) {
   }
   return cudaSuccess;
 }
+
+// A kernel's CTAs as (x, y, z), x varying fastest. CUDA caps grid.y and grid.z at 65,535 and
+// grid.x at 2^31 - 1, and batch x heads alone passes 65,535 in batched short-sequence work (1024
+// sequences of 80 heads), so every grid is launched along x alone and a CTA unfolds its (x, y, z)
+// from blockIdx.x. The hardware starts CTAs in the order of that index: the order of the 3-D grid
+// this replaces.
+struct GridShape {
+  std::int64_t x, y, z;
+};
+
+struct GridCoords {
+  int x, y, z;
+};
+
+// The 1-D grid of `shape`, or cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (some 10^12 threads'
+// worth of tiles: no tensor the card can hold gets there).
+inline cudaError_t folded_grid(const GridShape& shape, dim3* grid) {
+  const std::int64_t ctas = shape.x * shape.y * shape.z;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  *grid = dim3(static_cast<unsigned>(ctas));
+  return cudaSuccess;
+}
+
+#ifdef __CUDACC__
+// This CTA's (x, y, z) in a grid of `shape` launched by folded_grid.
+__device__ __forceinline__ GridCoords unfold_block(const GridShape& shape) {
+  const unsigned cta = blockIdx.x, nx = static_cast<unsigned>(shape.x), ny = static_cast<unsigned>(shape.y);
+  const unsigned xy = cta / nx;
+  return {static_cast<int>(cta - xy * nx), static_cast<int>(xy % ny), static_cast<int>(xy / ny)};
+}
+#endif
 
 }  // namespace flash_dmattn::kernels

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "kernels/common/launch.h"
 #include "kernels/common/rounding_store.h"
 #include "kernels/common/split_combine.h"
 
@@ -83,7 +84,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 }  // namespace
 
 cudaError_t combine_split_partials(const ForwardParams& params, cudaStream_t stream) {
-  const unsigned rows = static_cast<unsigned>(std::int64_t(params.batch) * params.heads * params.seqlen_q);
+  dim3 rows;  // a CTA per (batch, head, query row)
+  const cudaError_t status = folded_grid({std::int64_t(params.batch) * params.heads * params.seqlen_q, 1, 1}, &rows);
+  if (status != cudaSuccess) return status;
   if (params.element == ElementType::bfloat16) {
     combine_kernel<__nv_bfloat16><<<rows, kThreads, 0, stream>>>(params);
   } else {

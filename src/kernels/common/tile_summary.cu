@@ -15,6 +15,8 @@
 //    registers, 144 bytes of spills) 67.4 and 125.
 #include "kernels/common/tile_summary.h"
 
+#include "kernels/common/launch.h"
+
 namespace flash_dmattn::kernels {
 namespace {
 
@@ -37,6 +39,13 @@ std::size_t classes_bytes(const MaskExtent& mask) {
 // The bits start 16-byte aligned after the classes.
 std::size_t bits_offset(const MaskExtent& mask) { return (classes_bytes(mask) + 15) / 16 * 16; }
 
+// The grid (folded into grid.x, launch.h): x the CTAs along the keys, y the row blocks, z the
+// mask's (batch, head).
+__host__ __device__ GridShape summary_grid_shape(const MaskExtent& mask) {
+  const std::int64_t cta_blocks = std::int64_t(kStripBlocks) * kCtaStrips;
+  return {(blocks_of(mask.cols) + cta_blocks - 1) / cta_blocks, blocks_of(mask.rows), mask.batches * mask.heads};
+}
+
 // Bit i set where byte i of the word is nonzero, for i < 4: (b & 0x7f) + 0x7f has its top bit
 // set iff the low seven bits are not all zero, and cannot carry into the next byte (at most
 // 0xfe); or-ed with b, the top bit says b != 0. The multiply moves the four top bits (7, 15, 23,
@@ -52,7 +61,7 @@ __device__ __forceinline__ std::uint32_t nonzero_bytes(const uint4& v) {
   return nonzero_nibble(v.x) | nonzero_nibble(v.y) << 4 | nonzero_nibble(v.z) << 8 | nonzero_nibble(v.w) << 12;
 }
 
-// The strip of row block blockIdx.y that starts at key c0, as this CTA reads it.
+// The strip of the CTA's row block that starts at key c0, as this CTA reads it.
 struct Strip {
   std::int64_t c0;
   int cols;           // keys of the strip inside the mask
@@ -80,9 +89,10 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
                                                                  std::uint32_t* bits_out) {
   __shared__ std::uint32_t words[kSummaryBlock][kStripWords];
   __shared__ __align__(8) std::uint8_t flags[8];
-  const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = gridDim.y;
-  const std::int64_t bh = blockIdx.z, b = bh / mask.heads, h = bh % mask.heads;
-  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSummaryBlock;
+  const GridCoords cta = unfold_block(summary_grid_shape(mask));
+  const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = blocks_of(mask.rows);
+  const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
+  const std::int64_t r0 = std::int64_t(cta.y) * kSummaryBlock;
   const int rows = static_cast<int>(mask.rows - r0 < kSummaryBlock ? mask.rows - r0 : kSummaryBlock);
   const std::uint8_t* row0 = mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride;
   // Keys at or past `seen_end` are causally hidden from every row of the block.
@@ -91,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
     const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
     seen_end = last_key < 0 ? 0 : (last_key + 1 < mask.cols ? last_key + 1 : mask.cols);
   }
-  const std::int64_t first_c0 = std::int64_t(blockIdx.x) * kCtaStrips * kStripCols;
+  const std::int64_t first_c0 = std::int64_t(cta.x) * kCtaStrips * kStripCols;
   auto strip_at = [&](int s) {
     Strip strip;
     strip.c0 = first_c0 + std::int64_t(s) * kStripCols;
@@ -115,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
   auto store_classes = [&](std::int64_t c0, const std::uint8_t* block_flags) {
     const std::int64_t block = c0 / kSummaryBlock + threadIdx.x;
     if (threadIdx.x < kStripBlocks && block < col_blocks) {
-      out[(bh * row_blocks + blockIdx.y) * col_blocks + block] = block_flags ? block_flags[threadIdx.x] : 0;
+      out[(bh * row_blocks + cta.y) * col_blocks + block] = block_flags ? block_flags[threadIdx.x] : 0;
     }
   };
   for (int s = visible_strips; s < strips; ++s) store_classes(first_c0 + std::int64_t(s) * kStripCols, nullptr);
@@ -198,15 +208,21 @@ constexpr int kRowCtaCols = kThreads * kRowRunCols * kRowVectors;
 static_assert(kSummaryBlock % kRowRunCols == 0 && 32 % (kSummaryBlock / kRowRunCols) == 0,
               "a block's runs sit in adjacent lanes of one warp");
 
+// x the CTAs along the keys, z the mask's (batch, head).
+__host__ __device__ GridShape row_summary_grid_shape(const MaskExtent& mask) {
+  return {(mask.cols + kRowCtaCols - 1) / kRowCtaCols, 1, mask.batches * mask.heads};
+}
+
 __global__ void __launch_bounds__(kThreads) row_summary_kernel(MaskExtent mask, std::uint8_t* out,
                                                                 std::uint32_t* bits_out) {
-  const std::int64_t bh = blockIdx.z, b = bh / mask.heads, h = bh % mask.heads;
+  const GridCoords cta = unfold_block(row_summary_grid_shape(mask));
+  const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
   const std::uint8_t* row = mask.ptr + b * mask.batch_stride + h * mask.head_stride;
   const bool aligned = mask.col_stride == 1 && reinterpret_cast<std::uintptr_t>(row) % 16 == 0;
   std::uint32_t* bits = bits_out + bh * words_of(mask.cols);
   std::uint8_t* classes = out + bh * blocks_of(mask.cols);
   auto first_col = [&](int k) {
-    return (std::int64_t(blockIdx.x) * kRowVectors + k) * (kThreads * kRowRunCols) + threadIdx.x * kRowRunCols;
+    return (std::int64_t(cta.x) * kRowVectors + k) * (kThreads * kRowRunCols) + threadIdx.x * kRowRunCols;
   };
 
   std::uint32_t keep[kRowVectors];  // bit i: key first_col(k) + i is visible
@@ -260,16 +276,15 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   summary->bits_row_stride = mask.rows == 1 ? 0 : row_words;
   summary->bits_row_words = static_cast<int>(row_words);
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
-  if (mask.rows == 1 && !mask.causal) {
-    const dim3 grid(static_cast<unsigned>((mask.cols + kRowCtaCols - 1) / kRowCtaCols), 1,
-                    static_cast<unsigned>(mask.batches * mask.heads));
+  const bool single_row = mask.rows == 1 && !mask.causal;
+  dim3 grid;
+  const cudaError_t status = folded_grid(single_row ? row_summary_grid_shape(mask) : summary_grid_shape(mask), &grid);
+  if (status != cudaSuccess) return status;
+  if (single_row) {
     row_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
-    return cudaGetLastError();
+  } else {
+    tile_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
   }
-  const std::int64_t cta_blocks = std::int64_t(kStripBlocks) * kCtaStrips;
-  const dim3 grid(static_cast<unsigned>((col_blocks + cta_blocks - 1) / cta_blocks), static_cast<unsigned>(row_blocks),
-                  static_cast<unsigned>(mask.batches * mask.heads));
-  tile_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
   return cudaGetLastError();
 }
 

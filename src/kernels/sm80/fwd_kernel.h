@@ -13,7 +13,7 @@ namespace flash_dmattn::kernels::sm80 {
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) forward_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(128) char smem[];
-  const ForwardCta cta = forward_cta(params);
+  const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) dq_kernel(const __grid_constant__ DqTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
-  const ForwardCta cta = forward_cta(params.p.fwd);
+  const ForwardCta cta = forward_cta(params.p.fwd, Traits::kBlockM);
   dq_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch);
 }
 
@@ -52,12 +52,8 @@ cudaError_t run_dq(const BackwardParams& params, cudaStream_t stream) {
       make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(dout, f.head_dim, f.batch),
       make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.k, f.head_dim, f.batch),
       make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.v, f.head_dim, f.batch)};
-  constexpr int kSmem = Traits::kSmemBytes;
-  auto* kernel = &dq_kernel<Traits>;
-  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
-  if (status != cudaSuccess) return status;
-  kernel<<<forward_grid(f, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_query_tiles<Traits::kSmemBytes>(&dq_kernel<Traits>, args, f, Traits::kBlockM, Traits::kNThreads,
+                                                 stream);
 }
 
 // The key-tile kernel on the grid of one CTA per key tile (or key split).

@@ -19,7 +19,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
-  const ForwardCta cta = forward_cta(params);
+  const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
@@ -27,7 +27,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_tma_kernel(const __grid_constant__ ForwardTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
-  const ForwardCta cta = forward_cta(params.p);
+  const ForwardCta cta = forward_cta(params.p, Traits::kBlockM);
   forward_tile_warp_specialized<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
@@ -59,12 +59,8 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
       make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutV{})), Traits::kBlockN, kHeadDim>(
           operands.v, params.head_dim, params.batch),
       stageable_bias(params.bias, params.seqlen_k)};
-  constexpr int kSmem = Traits::kSmemBytes;
-  auto* kernel = &forward_tma_kernel<Traits>;
-  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
-  if (status != cudaSuccess) return status;
-  kernel<<<forward_grid(params, Traits::kBlockM), Traits::kNThreads, kSmem, stream>>>(tma_params);
-  return cudaGetLastError();
+  return launch_query_tiles<Traits::kSmemBytes>(&forward_tma_kernel<Traits>, tma_params, params, Traits::kBlockM,
+                                                 Traits::kNThreads, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm90
