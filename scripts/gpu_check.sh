@@ -53,11 +53,13 @@ sm80_line=""
 if [ -z "${SKIP_TESTS:-}" ]; then
   build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1
   gpu_rc=$?
+  save_logs
   if [ "${cc:-80}" -eq 90 ]; then
     FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
       --gtest_filter="${GPU_SM80_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
     sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
     tail -5 "$LOGS/gpu_tests_sm80.log"
+    save_logs
   fi
   # Every backward test once more in deterministic mode, whose kernels differ (dq slots per key
   # split; on sm90a at D = 128 a dQ kernel of its own, sm90/tile_size.h has_dq_kernel).
