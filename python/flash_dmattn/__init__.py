@@ -19,6 +19,7 @@ _TORCH_NAMES = {
     "attention_reference": "reference",
     "topk_indices": "masks",
     "topk_mask": "masks",
+    "topk_key_indices": "masks",
     "relu_mask": "masks",
     "block_smooth": "masks",
     "create_mask": "masks",

@@ -5,7 +5,9 @@ What happens here, before the custom op (torch_ops.py) runs:
   2. checks: every argument is checked on shapes, dtypes and devices alone, so a bad call raises
      TypeError or ValueError before any launch, also while torch.compile traces;
   3. broadcasting: a mask dimension of stride 0 (an expand() view) becomes a size-1 dimension,
-     which the kernels read through a zero stride: nothing is materialized.
+     which the kernels read through a zero stride: nothing is materialized;
+  4. key indices (attn_indices) become the bool mask they stand for (one scatter), ANDed with
+     attn_mask when both are given.
 Autograd, torch.compile and CUDA graphs then see the custom op, which pads head dims that are not
 a multiple of 8 and cuts the results back. docs/python.md has the details.
 """
@@ -44,13 +46,15 @@ def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_
                                         f"shape {_shape(t)} (layout (B|1, H|Hk|1, Sq|1, Sk|1))")
 
 
-def _check_types(query, key, value, attn_mask, attn_bias) -> None:
+def _check_types(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
     _check_tensor("query", query, 4, "(B, Sq, H, D)")
     _check_tensor("key", key, 4, "(B, Sk, Hk, D)")
     _check_tensor("value", value, 4, "(B, Sk, Hk, D)")
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None:
             _check_tensor(name, t, 4, "(B|1, H|Hk|1, Sq|1, Sk|1)")
+    if attn_indices is not None:
+        _check_tensor("attn_indices", attn_indices, 4, "(B|1, H|Hk|1, Sq|1, K)")
 
 
 def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
@@ -83,6 +87,40 @@ def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
     if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
         _fail(TypeError, "attn_bias", f"expected the dtype of query ({query.dtype}) or torch.float32, got "
                                       f"{attn_bias.dtype}")
+
+
+def _check_indices(attn_indices, query, key) -> None:
+    """Shape, dtype and device of attn_indices; its values where reading them is allowed (eager)."""
+    if attn_indices.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, "attn_indices", f"expected dtype torch.int32 or torch.int64, got {attn_indices.dtype}")
+    if attn_indices.device != query.device:
+        _fail(ValueError, "attn_indices", f"expected the device of query ({query.device}), got {attn_indices.device}")
+    batch, seqlen_q, heads, _ = query.shape
+    seqlen_k, kv_heads = key.shape[1], key.shape[2]
+    # The last dim is the list of keys (any length), not a key dim: check the other three as a mask's.
+    rows = torch.empty(tuple(attn_indices.shape[:3]) + (1,), device="meta")
+    _check_broadcast("attn_indices", rows, batch, heads, kv_heads, seqlen_q, seqlen_k)
+    # Reading the values synchronizes with the GPU: not while a CUDA graph is captured or torch.compile
+    # traces, where out-of-range entries are ignored as the docstring says.
+    capturing = attn_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if attn_indices.numel() and not capturing and not torch.compiler.is_compiling():
+        bad = (attn_indices < -1) | (attn_indices >= seqlen_k)
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            _fail(ValueError, "attn_indices", f"expected key indices in [0, {seqlen_k}) or -1 (padding), got "
+                                              f"{int(attn_indices[first])} at {first}")
+
+
+def _indices_mask(attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The bool mask (.., Sq|1, Sk) of key lists: key j is kept in a row that lists it (once or more).
+
+    Padding (-1) and any out-of-range entry land in an extra column that is cut off, so nothing is
+    written out of bounds even where the values were not checked.
+    """
+    idx = attn_indices.long()
+    idx = torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k)
+    mask = torch.zeros(*idx.shape[:-1], seqlen_k + 1, dtype=torch.bool, device=idx.device)
+    return mask.scatter_(-1, idx, True)[..., :seqlen_k]
 
 
 def _check_options(softmax_scale, softcap) -> None:
@@ -125,7 +163,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
-                      softcap=None, deterministic=None, return_attn_probs=None):
+                      softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None):
     """Attention with a dynamic boolean mask and an additive bias (docs/semantics.md).
 
     Args:
@@ -141,17 +179,34 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         deterministic: default False; True makes the backward bitwise reproducible.
         return_attn_probs: default False; True returns (out, lse, None): lse is the (B, H, Sq)
             float32 log-sum-exp; the probabilities are never materialized, so the third is None.
+        attn_indices: optional int32 or int64 (B|1, H|Hk|1, Sq|1, K): for every query row, the keys
+            it may see (DeepSeek's sparse-attention form); -1 pads a row's list, a key listed twice
+            counts once, and any other value outside [0, Sk) raises ValueError (checked eagerly;
+            under CUDA-graph capture or torch.compile such entries are ignored). It keeps exactly
+            the keys of the bool mask it stands for, ANDed with attn_mask when both are given.
 
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
     """
-    _check_types(query, key, value, attn_mask, attn_bias)
+    _check_types(query, key, value, attn_mask, attn_bias, attn_indices)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
     _check_operands(query, key, value, attn_mask, attn_bias)
+    if attn_indices is not None:
+        _check_indices(attn_indices, query, key)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
 
+    if attn_indices is not None:
+        listed = _indices_mask(attn_indices, key.shape[1])
+        if attn_mask is not None and 1 != attn_mask.shape[1] != listed.shape[1] != 1:
+            # One per query head and one per KV head: the KV head's rows serve its group of heads.
+            group = query.shape[2] // key.shape[2]
+            if attn_mask.shape[1] < listed.shape[1]:
+                attn_mask = attn_mask.repeat_interleave(group, dim=1)
+            else:
+                listed = listed.repeat_interleave(group, dim=1)
+        attn_mask = listed if attn_mask is None else attn_mask & listed
     if attn_mask is not None:
         attn_mask = _last_dim_contiguous(_compact_broadcast(attn_mask))
     if attn_bias is not None:

@@ -64,6 +64,18 @@ def topk_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tenso
     return _smoothed(mask, block_size)
 
 
+def topk_key_indices(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], window_size: int,
+                     min_dtype: float) -> torch.Tensor:
+    """topk_mask's choice as key indices, for flash_dmattn_func(attn_indices=...) without an Sq x Sk
+    mask: int32 (.., window_size), sorted, -1 where a row has fewer visible keys than the window.
+    No block smoothing (a smoothed mask keeps blocks, not a list of keys).
+    """
+    bias = _masked_bias(attention_bias, attention_mask, min_dtype)
+    values, indices = torch.topk(bias, min(window_size, bias.shape[-1]), dim=-1, largest=True, sorted=False)
+    indices = indices.masked_fill(values == min_dtype, -1).to(torch.int32)
+    return torch.sort(indices, dim=-1).values
+
+
 def relu_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], min_dtype: float,
               block_size: Optional[int] = None) -> torch.Tensor:
     """Keeps the keys of positive bias among those attention_mask keeps; block_size smooths."""

@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from flash_dmattn import attention_reference, create_mask  # noqa: E402
+from flash_dmattn import attention_reference, create_mask, topk_key_indices  # noqa: E402
 from flash_dmattn.integrations.transformers import flash_dmattn_attention_forward, register  # noqa: E402
 from tolerance import assert_rounded, assert_within_baseline  # noqa: E402
 
@@ -202,6 +202,20 @@ def test_window_keeps_the_top_keys_among_visible_ones(device):
     reference, _ = attention_reference(*args)
     baseline, _ = attention_reference(*args, upcast=False)
     assert_within_baseline("out", out, reference, baseline)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_lists_give_what_the_window_gives(device):
+    """attention_indices from masks.topk_key_indices keep the keys window_size keeps."""
+    q, k, v, bias = _qkv_bias(device)
+    windowed, _ = flash_dmattn_attention_forward(_Module(), q, k, v, None, attention_bias=bias, scaling=0.2,
+                                                 window_size=16)
+    rows = torch.arange(24, device=device)[:, None]
+    causal = (torch.arange(48, device=device)[None, :] <= rows + 24)[None, None]
+    indices = topk_key_indices(bias.unsqueeze(2), causal, 16, torch.finfo(torch.bfloat16).min)
+    listed, _ = flash_dmattn_attention_forward(_Module(), q, k, v, None, attention_bias=bias, scaling=0.2,
+                                               attention_indices=indices)
+    assert torch.equal(windowed, listed)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,7 +7,8 @@
 Any model that dispatches through transformers' AttentionInterface then runs flash_dmattn_func.
 A model with a dynamic-mask bias (upstream's Doge example: bias = A * softplus(dt_proj(V)), of
 shape (B, Hk, 1, Sk)) passes it as the keyword `attention_bias`, and may pass `window_size` to keep
-only the top-k keys of the bias per row (create_mask).
+only the top-k keys of the bias per row (create_mask), or its own key lists as the keyword
+`attention_indices` ((B|1, H|Hk|1, Sq|1, K) int, -1 pads; see masks.topk_key_indices).
 """
 import os
 from typing import Optional
@@ -94,7 +95,8 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     if deterministic is None:
         deterministic = os.environ.get("FLASH_DMATTN_DETERMINISTIC", "0") == "1"
     out = flash_dmattn_func(query, key, value, attn_mask=mask, attn_bias=attention_bias, softmax_scale=scaling,
-                            is_causal=is_causal, softcap=softcap, deterministic=deterministic)
+                            is_causal=is_causal, softcap=softcap, deterministic=deterministic,
+                            attn_indices=kwargs.get("attention_indices"))
     return out, None
 
 

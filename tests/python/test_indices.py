@@ -1,0 +1,120 @@
+"""flash_dmattn_func(attn_indices=...): per-row key lists (DeepSeek's sparse-attention form) keep
+exactly the keys of the bool mask they stand for (docs/semantics.md §2), with -1 padding,
+duplicates counted once, every broadcast shape of the rows, and clear errors for bad lists.
+
+Needs torch, not a GPU: runs on CPU tensors (the fp64 CPU backend), and on CUDA ones where there
+is a GPU.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_dmattn import flash_dmattn_func, topk_key_indices, topk_mask  # noqa: E402
+from torch_cases import make_case  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def random_indices(shape, seqlen_k, keep, generator):
+    """(.., keep) sorted distinct keys per row, with about a fifth of each list padded by -1."""
+    scores = torch.rand(*shape[:3], seqlen_k, generator=generator)
+    indices = torch.topk(scores, keep, dim=-1).indices
+    pad = torch.rand(*shape[:3], keep, generator=generator) < 0.2
+    return torch.sort(indices.masked_fill(pad, -1), dim=-1).values.to(torch.int32)
+
+
+def mask_of(indices, seqlen_k):
+    """The bool mask the lists stand for, built the plain way."""
+    mask = torch.zeros(*indices.shape[:3], seqlen_k, dtype=torch.bool)
+    for row in torch.cartesian_prod(*(torch.arange(n) for n in indices.shape[:3])):
+        for j in indices[tuple(row)].tolist():
+            if j >= 0:
+                mask[tuple(row) + (j,)] = True
+    return mask
+
+
+def outputs_and_grads(case, dout, **options):
+    leaves = {n: t.detach().clone().requires_grad_(n in ("q", "k", "v", "bias")) if t is not None else None
+              for n, t in case.items()}
+    out = flash_dmattn_func(leaves["q"], leaves["k"], leaves["v"], attn_mask=leaves["mask"],
+                            attn_bias=leaves["bias"], **options)
+    grads = torch.autograd.grad(out, [leaves[n] for n in ("q", "k", "v", "bias")], dout)
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows_shape", [(2, 4, 9, 5), (1, 2, 9, 5), (2, 1, 1, 5), (1, 4, 9, 0)],
+                         ids=["per-head-row", "per-kv-head", "one-row-per-batch", "empty-lists"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_indices_match_the_mask_they_stand_for(device, rows_shape, is_causal):
+    generator = torch.Generator().manual_seed(1)
+    case = make_case(2, 9, 13, 4, 2, 16, dtype=torch.bfloat16, bias_shape=(2, 2, 1, 13))
+    keep = rows_shape[3]
+    indices = random_indices(rows_shape, 13, keep, generator) if keep else torch.zeros(rows_shape, dtype=torch.int32)
+    dout = torch.randn(case["q"].shape, generator=generator).to(torch.bfloat16)
+    case = {n: t.to(device) if t is not None else None for n, t in case.items()}
+    with_mask = outputs_and_grads(dict(case, mask=mask_of(indices, 13).to(device)), dout.to(device),
+                                  is_causal=is_causal)
+    with_indices = outputs_and_grads(case, dout.to(device), is_causal=is_causal, attn_indices=indices.to(device))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), with_mask, with_indices):
+        assert torch.equal(a, b), name
+
+
+def test_duplicates_and_padding_count_as_the_set_of_keys():
+    case = make_case(1, 3, 6, 2, 1, 8, dtype=torch.float16)
+    plain = torch.tensor([[[[1, 4, -1], [0, 2, 5], [3, -1, -1]]]], dtype=torch.int64)
+    repeated = torch.tensor([[[[4, 1, 4, 1, -1], [5, 2, 0, 2, -1], [-1, 3, 3, 3, -1]]]], dtype=torch.int64)
+    a = flash_dmattn_func(case["q"], case["k"], case["v"], attn_indices=plain)
+    b = flash_dmattn_func(case["q"], case["k"], case["v"], attn_indices=repeated)
+    assert torch.equal(a, b)
+
+
+def test_indices_and_mask_together_keep_the_keys_both_keep():
+    generator = torch.Generator().manual_seed(2)
+    case = make_case(2, 7, 11, 4, 2, 16, dtype=torch.float16, mask_shape=(2, 2, 7, 11))
+    indices = random_indices((2, 4, 7, 6), 11, 6, generator)  # per query head; the mask per KV head
+    both = flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], attn_indices=indices)
+    combined = case["mask"].repeat_interleave(2, dim=1) & mask_of(indices, 11)
+    assert torch.equal(both, flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=combined))
+
+
+def test_topk_key_indices_keep_what_topk_mask_keeps():
+    generator = torch.Generator().manual_seed(3)
+    bias = torch.randn(2, 2, 5, 12, generator=generator)
+    padding = torch.rand(2, 1, 1, 12, generator=generator) < 0.7  # some rows keep fewer than the window
+    min_dtype = torch.finfo(bias.dtype).min
+    indices = topk_key_indices(bias, padding, 8, min_dtype)
+    assert indices.dtype == torch.int32 and indices.shape == (2, 2, 5, 8)
+    assert torch.equal(mask_of(indices, 12), topk_mask(bias, padding, 8, min_dtype))
+
+
+@pytest.mark.parametrize("indices, error, message", [
+    (torch.zeros(2, 4, 5, 3), TypeError, "argument 'attn_indices': expected dtype torch.int32 or torch.int64, got "
+                                         "torch.float32"),
+    (torch.zeros(2, 4, 5, dtype=torch.int32), ValueError,
+     "argument 'attn_indices': expected 4 dims (B|1, H|Hk|1, Sq|1, K), got shape (2, 4, 5)"),
+    (torch.zeros(2, 3, 5, 2, dtype=torch.int32), ValueError,
+     "argument 'attn_indices': expected heads size (dim 1) in [1, 2, 4], got 3"),
+    (torch.full((2, 4, 5, 2), 7, dtype=torch.int32), ValueError,
+     "argument 'attn_indices': expected key indices in [0, 7) or -1 (padding), got 7 at (0, 0, 0, 0)"),
+    (torch.tensor([[[[0, -2]]]], dtype=torch.int32), ValueError,
+     "argument 'attn_indices': expected key indices in [0, 7) or -1 (padding), got -2 at (0, 0, 0, 1)"),
+])
+def test_bad_indices_are_named(indices, error, message):
+    case = make_case(2, 5, 7, 4, 2, 16, dtype=torch.float16)
+    with pytest.raises(error) as raised:
+        flash_dmattn_func(case["q"], case["k"], case["v"], attn_indices=indices)
+    assert message in str(raised.value)
+
+
+def test_compile_fullgraph_traces_the_lists():
+    """Under torch.compile the values are not read (that would synchronize); the result is the same."""
+    case = make_case(1, 8, 10, 2, 1, 16, dtype=torch.bfloat16)
+    indices = torch.tensor([[[[0, 3, 5, -1]]]], dtype=torch.int32)
+
+    def call(q, k, v, i):
+        return flash_dmattn_func(q, k, v, attn_indices=i, is_causal=True)
+
+    compiled = torch.compile(call, fullgraph=True)
+    assert torch.equal(compiled(case["q"], case["k"], case["v"], indices),
+                       call(case["q"], case["k"], case["v"], indices))
