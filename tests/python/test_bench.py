@@ -23,7 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_suite_counts_and_shapes():
     seed = suites.cases("seed")
-    assert [c.window for c in seed] == [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert [(c.window, c.block) for c in seed] == \
+        [(w, 0) for w in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)] + [(1024, 64)]
+    assert [c.sweep != "" for c in seed] == [True] * 10 + [False]  # the smoothed case is not a sweep point
     assert {(c.batch, c.heads, c.kv_heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, c.mask) for c in seed} == \
         {(1, 2, 1, 16384, 16384, 32, True, "topk")}
     assert all(c.modes == ("fwd", "bwd", "fwd_bwd") for c in seed)
@@ -75,10 +77,16 @@ def test_case_names_keys_and_validation():
         suites.cases("nope")
 
 
+def test_block_smoothing_is_for_top_k_masks():
+    with pytest.raises(ValueError, match="block smoothing applies to top-k masks"):
+        suites.Case("x", 1, 2, 1, 64, 64, 32, True, "window", 16, block=8)
+
+
 def test_list_runs_without_torch(capsys):
     assert cli.main(["--list", "--suite", "seed"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("seed: 10 cases") and "B1 H2/1 Q16384 K16384 D32 C top16384" in out
+    assert out.startswith("seed: 11 cases") and "B1 H2/1 Q16384 K16384 D32 C top16384" in out
+    assert "B1 H2/1 Q16384 K16384 D32 C top1024 block64" in out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,7 +318,7 @@ def test_without_torch_everything_is_skipped(monkeypatch, capsys):
     assert cli.main(["--suite", "training", "--suite", "seed"]) == 0
     out = capsys.readouterr().out
     assert "every implementation is skipped: torch is not installed" in out
-    assert "training: 6 cases skipped" in out and "seed: 10 cases skipped" in out
+    assert "training: 6 cases skipped" in out and "seed: 11 cases skipped" in out
 
 
 def test_without_a_gpu_everything_is_skipped(monkeypatch, capsys, tmp_path):

@@ -46,7 +46,7 @@ def build_mask(case: Case, bias: Optional[torch.Tensor], device) -> Optional[tor
     # causality hides; min_dtype is the bias dtype's lowest value, as in upstream.
     causal = causal_keep(case.seqlen_q, case.seqlen_k, device)[None, None] if case.causal else None
     mask = create_mask(bias, causal, case.batch, case.seqlen_q, case.seqlen_k, case.window,
-                       torch.finfo(bias.dtype).min, type="topk")
+                       torch.finfo(bias.dtype).min, block_size=case.block or None, type="topk")
     if mask is None:  # a window that holds every key of a non-causal case
         return None
     # A window wider than the keys returns the causal mask itself, shared by every (b, h): expand

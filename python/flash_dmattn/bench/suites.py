@@ -5,7 +5,8 @@ mask of shape (B, Hk, Sq, Sk) (decode: (B, Hk, 1, Sk)) that every implementation
 - "all_true": every key kept (the dense-equivalent case: mask and bias cost, no skipping);
 - "window": a causal sliding window, row i keeps keys (i' - window, i'] with i' = i + Sk - Sq;
 - "topk": per query row, the `window` keys of highest bias among those causality allows, made with
-  flash_dmattn.create_mask as upstream's benchmarks make it (no block smoothing);
+  flash_dmattn.create_mask as upstream's benchmarks make it (block smoothing of `block` keys where a
+  case asks for it, none otherwise);
 - "none": no mask at all (the bias alone).
 
 Plain Python (no torch), so that `--list` and the tests run anywhere.
@@ -33,6 +34,7 @@ class Case:
     backward: bool = True   # False: inference (decode), the forward alone
     sweep: str = ""         # the plot group this case belongs to ("" = not plotted)
     x: int = 0              # its position on that group's x axis
+    block: int = 0          # "topk": smooth the mask by blocks of this many keys (0: no smoothing)
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
@@ -41,13 +43,16 @@ class Case:
             raise ValueError(f"Case: mask kind {self.mask!r} needs a window > 0")
         if self.mask == "topk" and not self.bias:
             raise ValueError("Case: a top-k mask is chosen from the bias, so it needs one")
+        if self.block and self.mask != "topk":
+            raise ValueError(f"Case: block smoothing applies to top-k masks, not {self.mask!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"Case: kv_heads {self.kv_heads} does not divide heads {self.heads}")
 
     @property
     def mask_label(self) -> str:
         return {"none": "nomask", "all_true": "alltrue", "window": f"win{self.window}",
-                "topk": f"top{self.window}"}[self.mask] + ("" if self.bias else " nobias")
+                "topk": f"top{self.window}"}[self.mask] + (f" block{self.block}" if self.block else "") + \
+            ("" if self.bias else " nobias")
 
     @property
     def name(self) -> str:
@@ -64,7 +69,7 @@ class Case:
     def key(self) -> tuple:
         """What the timings depend on: two cases of equal key (one point in two sweeps) run once."""
         return (self.batch, self.heads, self.kv_heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal,
-                self.mask, self.window, self.bias, self.backward)
+                self.mask, self.window, self.block, self.bias, self.backward)
 
 
 def _powers_of_two(low: int, high: int) -> List[int]:
@@ -76,10 +81,13 @@ def _powers_of_two(low: int, high: int) -> List[int]:
 
 
 def seed(quick: bool = False) -> List[Case]:
-    """Seed PR #145's backward sweep: B1 H2/1 D32 causal, per-query top-W keys, W from 32 to S."""
+    """Seed PR #145's backward sweep: B1 H2/1 D32 causal, per-query top-W keys, W from 32 to S; and
+    its top-1024 mask smoothed by 64-key blocks, whose tiles are mostly empty (the tile-sparse goal
+    of ../shared/reference/anchors.md)."""
     s = 4096 if quick else 16384
     windows = [64, 1024, s] if quick else _powers_of_two(32, s)
-    return [Case("seed", 1, 2, 1, s, s, 32, True, "topk", w, sweep=f"window, Q=K={s}", x=w) for w in windows]
+    cases = [Case("seed", 1, 2, 1, s, s, 32, True, "topk", w, sweep=f"window, Q=K={s}", x=w) for w in windows]
+    return cases + [Case("seed", 1, 2, 1, s, s, 32, True, "topk", 1024, block=64)]
 
 
 def upstream_readme(quick: bool = False) -> List[Case]:
