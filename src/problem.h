@@ -18,6 +18,7 @@ struct Problem {
   DType dtype = DType::float16;
   Device device{};
   bool has_mask = false;
+  bool has_indices = false;  // key lists per row (ForwardArgs::indices)
   bool has_bias = false;
   bool has_dbias = false;  // backward only
   double scale = 0.0;      // resolved: the default 1/sqrt(D) already applied

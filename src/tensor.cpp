@@ -13,6 +13,7 @@ const char* dtype_name(DType dtype) {
     case DType::float32: return "float32";
     case DType::float64: return "float64";
     case DType::boolean: return "bool";
+    case DType::int32: return "int32";
   }
   return "unknown dtype";
 }
@@ -24,6 +25,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::float32: return 4;
     case DType::float64: return 8;
     case DType::boolean: return 1;
+    case DType::int32: return 4;
   }
   return 0;
 }

@@ -114,12 +114,13 @@ Status check_shape(const Checker& c, const Named& t, std::initializer_list<std::
   return Status::success();
 }
 
-// A mask or bias: each dimension is 1 or full; heads are 1, Hk or H.
-Status check_broadcast_operand(const Checker& c, const Named& t, const Problem& p) {
+// A mask or bias: each dimension is 1 or full; heads are 1, Hk or H. Key lists (indices) check
+// their first three dimensions so (`dims` 3): the last one is the list.
+Status check_broadcast_operand(const Checker& c, const Named& t, const Problem& p, int dims = 4) {
   const TensorView& v = *t.view;
   const char* dim_names[4] = {"batch", "heads", "query", "key"};
   const std::int64_t full[4] = {p.batch, p.heads, p.seqlen_q, p.seqlen_k};
-  for (int d = 0; d < 4; ++d) {
+  for (int d = 0; d < dims; ++d) {
     if (d == 1) {
       if (v.shape[1] != 1 && v.shape[1] != p.kv_heads && v.shape[1] != p.heads) {
         return c.fail(t.name, "expected heads (dim 1) in {1, Hk=", p.kv_heads, ", H=", p.heads, "}, got ",
@@ -229,11 +230,12 @@ const char* kQLayout = "(B, Sq, H, D)";
 const char* kKLayout = "(B, Sk, Hk, D)";
 const char* kLseLayout = "(B, H, Sq)";
 const char* kMaskLayout = "(B|1, H|Hk|1, Sq|1, Sk|1)";
+const char* kIndicesLayout = "(B|1, H|Hk|1, Sq|1, K)";
 
 // Checks shared by forward and backward: q, k, v, mask, bias and the options; fills the problem.
 Status check_operands(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-                      const std::optional<TensorView>& mask, const std::optional<TensorView>& bias,
-                      const AttentionOptions& options, Problem* p) {
+                      const std::optional<TensorView>& mask, const std::optional<TensorView>& indices,
+                      const std::optional<TensorView>& bias, const AttentionOptions& options, Problem* p) {
   const Named nq{"q", &q}, nk{"k", &k}, nv{"v", &v};
   FDMA_CHECK_OK(check_view(c, nq, 4, kQLayout));
   FDMA_CHECK_OK(check_view(c, nk, 4, kKLayout));
@@ -275,6 +277,13 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
     FDMA_CHECK_OK(check_broadcast_operand(c, nm, *p));
     p->has_mask = true;
   }
+  if (indices) {
+    const Named ni{"indices", &*indices};
+    FDMA_CHECK_OK(check_view(c, ni, 4, kIndicesLayout));
+    FDMA_CHECK_OK(check_dtype(c, ni, DType::int32, "key indices, -1 pads"));
+    FDMA_CHECK_OK(check_broadcast_operand(c, ni, *p, 3));
+    p->has_indices = true;
+  }
   if (bias) {
     const Named nb{"bias", &*bias};
     FDMA_CHECK_OK(check_view(c, nb, 4, kMaskLayout));
@@ -293,7 +302,7 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
 Status validate_forward(const ForwardArgs& a, Problem* p) {
   const Checker c("forward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.indices, a.bias, a.options, p));
   const Named out{"out", &a.out}, lse{"lse", &a.lse};
   FDMA_CHECK_OK(check_view(c, out, 4, kQLayout));
   FDMA_CHECK_OK(check_dtype(c, out, p->dtype, "the dtype of q"));
@@ -303,7 +312,8 @@ Status validate_forward(const ForwardArgs& a, Problem* p) {
   FDMA_CHECK_OK(check_shape(c, lse, {p->batch, p->heads, p->seqlen_q}, kLseLayout));
 
   const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
-  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, bias};
+  const Named indices{"indices", a.indices ? &*a.indices : nullptr};
+  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias};
   const std::vector<Named> outputs = {out, lse};
   p->rows_aligned_16 = rows_aligned_16({&a.q, &a.k, &a.v, &a.out});
   std::vector<Named> all = inputs;
@@ -315,7 +325,7 @@ Status validate_forward(const ForwardArgs& a, Problem* p) {
 Status validate_backward(const BackwardArgs& a, Problem* p) {
   const Checker c("backward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.indices, a.bias, a.options, p));
   p->deterministic = a.deterministic;
   const Named out{"out", &a.out}, lse{"lse", &a.lse}, dout{"dout", &a.dout};
   const Named dq{"dq", &a.dq}, dk{"dk", &a.dk}, dv{"dv", &a.dv};
@@ -344,7 +354,8 @@ Status validate_backward(const BackwardArgs& a, Problem* p) {
   }
 
   const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
-  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, bias, out, lse, dout};
+  const Named indices{"indices", a.indices ? &*a.indices : nullptr};
+  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias, out, lse, dout};
   const std::vector<Named> outputs = {dq, dk, dv, dbias};
   p->rows_aligned_16 = rows_aligned_16({&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv});
   std::vector<Named> all = inputs;

@@ -7,6 +7,8 @@
 //   lse                     (B, H, Sq)       fp32, natural log
 //   mask (optional)         (B|1, H|Hk|1, Sq|1, Sk|1)  bool
 //   bias (optional), dbias  (B|1, H|Hk|1, Sq|1, Sk|1)  q's dtype or fp32; dbias has bias's shape and dtype
+//   indices (optional)      (B|1, H|Hk|1, Sq|1, K)   int32: each row's keys, -1 pads (docs/semantics.md §2);
+//                                                    with a mask, a key must be kept by both
 // Every view may have any non-negative int64 strides as long as its last dimension is contiguous
 // (stride 1, or size 1). A size-1 mask or bias dimension is read through a zero stride, never expanded.
 //
@@ -55,6 +57,7 @@ struct AttentionOptions {
 struct ForwardArgs {
   TensorView q, k, v;
   std::optional<TensorView> mask;
+  std::optional<TensorView> indices;  // key lists per row; the CPU backend reads them, CUDA not yet
   std::optional<TensorView> bias;
   TensorView out;  // written
   TensorView lse;  // written
@@ -65,6 +68,7 @@ struct ForwardArgs {
 struct BackwardArgs {
   TensorView q, k, v;
   std::optional<TensorView> mask;
+  std::optional<TensorView> indices;
   std::optional<TensorView> bias;
   TensorView out;   // the forward's output
   TensorView lse;   // the forward's log-sum-exp

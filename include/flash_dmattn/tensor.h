@@ -16,6 +16,7 @@ enum class DType : int {
   float32,
   float64,  // accepted by the fp64 reference only (tests); the public API rejects it
   boolean,  // one byte per element, nonzero = true
+  int32,    // key indices (ForwardArgs::indices)
 };
 
 const char* dtype_name(DType dtype);

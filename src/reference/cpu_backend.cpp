@@ -11,19 +11,40 @@
 namespace flash_dmattn {
 namespace {
 
-reference::Inputs reference_inputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                                   const std::optional<TensorView>& mask, const std::optional<TensorView>& bias,
-                                   const Problem& p) {
+template <typename Args>
+reference::Inputs reference_inputs(const Args& a, const Problem& p) {
   reference::Inputs in;
-  in.q = q;
-  in.k = k;
-  in.v = v;
-  in.mask = mask ? &*mask : nullptr;
-  in.bias = bias ? &*bias : nullptr;
+  in.q = a.q;
+  in.k = a.k;
+  in.v = a.v;
+  in.mask = a.mask ? &*a.mask : nullptr;
+  in.indices = a.indices ? &*a.indices : nullptr;
+  in.bias = a.bias ? &*a.bias : nullptr;
   in.scale = p.scale;
   in.causal = p.causal;
   in.softcap = p.softcap;
   return in;
+}
+
+// Key lists hold keys in [0, Sk) or -1: the values are read here, where reading them is free (the
+// validation before the backends reads shapes alone).
+Status check_indices(const char* call, const std::optional<TensorView>& indices, const Problem& p) {
+  if (!indices) return Status::success();
+  const TensorView& t = *indices;
+  for (std::int64_t b = 0; b < t.shape[0]; ++b)
+    for (std::int64_t h = 0; h < t.shape[1]; ++h)
+      for (std::int64_t i = 0; i < t.shape[2]; ++i)
+        for (std::int64_t e = 0; e < t.shape[3]; ++e) {
+          const double key = host::load(t, host::offset4(t, b, h, i, e));
+          if (key < -1 || key >= static_cast<double>(p.seqlen_k)) {
+            return Status::error(StatusCode::invalid_argument,
+                                 std::string("flash_dmattn.") + call + ": argument 'indices': expected key indices in [0, " +
+                                     std::to_string(p.seqlen_k) + ") or -1 (padding), got " +
+                                     std::to_string(static_cast<long long>(key)) + " at (" + std::to_string(b) + ", " +
+                                     std::to_string(h) + ", " + std::to_string(i) + ", " + std::to_string(e) + ")");
+          }
+        }
+  return Status::success();
 }
 
 // Writes a contiguous buffer of the view's shape into the (strided) view.
@@ -62,16 +83,18 @@ class CpuReferenceBackend final : public BackendImpl {
   std::size_t backward_workspace_size(const BackwardArgs&, const Problem&) const override { return 0; }
 
   Status forward(const ForwardArgs& a, const Problem& p) const override {
-    if (p.empty()) return Status::success();
-    const reference::ForwardResult r = reference::forward(reference_inputs(a.q, a.k, a.v, a.mask, a.bias, p));
+    const Status lists = check_indices("forward", a.indices, p);
+    if (!lists.ok() || p.empty()) return lists;
+    const reference::ForwardResult r = reference::forward(reference_inputs(a, p));
     store_all(a.out, r.out);
     store_all(a.lse, r.lse);
     return Status::success();
   }
 
   Status backward(const BackwardArgs& a, const Problem& p) const override {
-    const reference::Gradients g =
-        reference::backward(reference_inputs(a.q, a.k, a.v, a.mask, a.bias, p), a.dout);
+    const Status lists = check_indices("backward", a.indices, p);
+    if (!lists.ok()) return lists;
+    const reference::Gradients g = reference::backward(reference_inputs(a, p), a.dout);
     store_all(a.dq, g.dq);
     store_all(a.dk, g.dk);
     store_all(a.dv, g.dv);

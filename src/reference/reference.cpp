@@ -1,7 +1,7 @@
 // Notation (docs/semantics.md): b batch, h query head, g = H/Hk, kv(h) = floor(h/g), i query row,
 // j key, d head-dim index, s scale, c softcap.
 //   z[i,j]   = c·tanh(s·<q[b,i,h,:], k[b,j,kv(h),:]>/c) + bias(b,h,i,j)   (no tanh when c = 0)
-//   vis[i,j] = mask(b,h,i,j) and (not causal or j <= i + Sk - Sq)
+//   vis[i,j] = mask(b,h,i,j) and j in indices(b,h,i,:) and (not causal or j <= i + Sk - Sq)
 //   LSE[i]   = log sum_{vis j} exp(z[i,j])           (+inf when no key is visible)
 //   P[i,j]   = exp(z[i,j] - LSE[i]) on visible keys, 0 elsewhere
 //   O[i,:]   = sum_j P[i,j]·v[b,j,kv(h),:]
@@ -48,6 +48,7 @@ struct Row {
   std::vector<double> dot;      // <q_i, k_j>, unscaled
   std::vector<double> z;        // final logits
   std::vector<char> visible;
+  std::vector<char> listed;     // with indices: the keys row i lists
   double lse = kInf;
 
   void compute(const Inputs& in, const Dims& n, std::int64_t b, std::int64_t h, std::int64_t i) {
@@ -55,11 +56,21 @@ struct Row {
     dot.assign(n.Sk, 0.0);
     z.assign(n.Sk, 0.0);
     visible.assign(n.Sk, 0);
+    if (in.indices) {
+      const TensorView& list = *in.indices;
+      listed.assign(n.Sk, 0);
+      const Broadcast at(list, n, b, h, i, 0);
+      for (std::int64_t t = 0; t < list.shape[3]; ++t) {
+        const double key = load(list, offset4(list, at.b, at.h, at.i, t));
+        if (key >= 0 && key < static_cast<double>(n.Sk)) listed[static_cast<std::size_t>(key)] = 1;
+      }
+    }
     double zmax = -kInf;
     for (std::int64_t j = 0; j < n.Sk; ++j) {
-      // vis = mask ∧ causal-limit; the causal diagonal is aligned to the bottom-right corner.
+      // vis = mask ∧ listed ∧ causal-limit; the causal diagonal is aligned to the bottom-right corner.
       bool vis = !in.causal || j <= i + n.Sk - n.Sq;
       if (vis && in.mask) vis = load(*in.mask, Broadcast(*in.mask, n, b, h, i, j).view_offset(*in.mask)) != 0.0;
+      if (vis && in.indices) vis = listed[j] != 0;
       if (!vis) continue;
       double acc = 0.0;
       for (std::int64_t d = 0; d < n.D; ++d) {

@@ -17,6 +17,9 @@ struct Inputs {
   TensorView k, v;                   // (B, Sk, Hk, D)
   const TensorView* mask = nullptr;  // (B|1, H|Hk|1, Sq|1, Sk|1), nonzero keeps a key
   const TensorView* bias = nullptr;  // same broadcast shapes
+  // (B|1, H|Hk|1, Sq|1, K) int32: a row keeps the keys it lists (and the mask keeps); -1 and any
+  // other value outside [0, Sk) are no key.
+  const TensorView* indices = nullptr;
   double scale = 1.0;
   bool causal = false;
   double softcap = 0.0;
