@@ -30,17 +30,20 @@ archs="${FLASH_DMATTN_CUDA_ARCHS:-$([ "${cc:-80}" -ge 90 ] && echo 90-real || ec
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/device.txt"
 
 start=$(date +%s)
-python_flags=()
+# Off unless asked for: the CMake cache would keep an earlier run's ON.
+python_flags=(-DFLASH_DMATTN_BUILD_PYTHON=OFF)
 if [ -n "${PYTHON_TESTS:-}" ]; then
   python_flags=(-DFLASH_DMATTN_BUILD_PYTHON=ON)
   [ -d .carry/nanobind_pkg ] && python_flags+=(-Dnanobind_DIR="$PWD/.carry/nanobind_pkg/nanobind/cmake")
 fi
+# A module an earlier build left must not stand in for this one's.
+find build-gpu -maxdepth 2 -name '_C*.so' -delete 2>/dev/null
 configure() {
   cmake -S . -B build-gpu -G Ninja -DFLASH_DMATTN_CUDA_ARCHS="$archs" -DFLASH_DMATTN_WERROR=ON "${gtest_flag[@]}" \
     "$@" ${CMAKE_EXTRA:-} > "$LOGS/configure.log" 2>&1
 }
 # Without the module (no Python headers, say) the C++ suites still run.
-configure "${python_flags[@]}" || { [ ${#python_flags[@]} -gt 0 ] && cp "$LOGS/configure.log" "$LOGS/configure_python.log" &&
+configure "${python_flags[@]}" || { [ -n "${PYTHON_TESTS:-}" ] && cp "$LOGS/configure.log" "$LOGS/configure_python.log" &&
   configure -DFLASH_DMATTN_BUILD_PYTHON=OFF; } || { tail -30 "$LOGS/configure.log"; exit 1; }
 # -k 0: a target that fails to build does not keep the others (the benchmark, say) from running.
 cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$LOGS/build.log" 2>&1 || grep -E "error|Error" "$LOGS/build.log" | head -40
@@ -49,7 +52,7 @@ save_logs
 
 start=$(date +%s)
 gpu_rc=0
-sm80_line=""
+extra_lines=""
 if [ -z "${SKIP_TESTS:-}" ]; then
   build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1
   gpu_rc=$?
@@ -57,7 +60,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   if [ "${cc:-80}" -eq 90 ]; then
     FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
       --gtest_filter="${GPU_SM80_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
-    sm80_line="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
+    extra_lines="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
     tail -5 "$LOGS/gpu_tests_sm80.log"
     save_logs
   fi
@@ -65,7 +68,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # split; on sm90a at D = 128 a dQ kernel of its own, sm90/tile_size.h has_dq_kernel).
   FLASH_DMATTN_TEST_DETERMINISTIC=1 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="${GPU_DETERMINISTIC_FILTER:-*Backward*}" > "$LOGS/gpu_tests_deterministic.log" 2>&1 || gpu_rc=1
-  sm80_line+=$'\n'"backward tests in deterministic mode: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_deterministic.log" | tr '\n' ' ')"
+  extra_lines+=$'\n'"backward tests in deterministic mode: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_deterministic.log" | tr '\n' ' ')"
 fi
 gpu_s=$(( $(date +%s) - start ))
 save_logs
@@ -74,6 +77,7 @@ save_logs
 python_line=""
 if [ -n "${PYTHON_TESTS:-}" ]; then
   module="$(find build-gpu -maxdepth 2 -name '_C*.so' | head -1)"
+  [ -z "$module" ] && echo "gpu_check: no flash_dmattn._C was built (see configure_python.log, build.log)"
   site="$(mktemp -d)"
   cp -r python/flash_dmattn "$site/"
   [ -n "$module" ] && cp "$module" "$site/flash_dmattn/"
@@ -125,7 +129,7 @@ echo
 echo "================ summary ================"
 cat "$LOGS/device.txt"
 echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep -sE '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests.log" | tr '\n' ' ')"
-[ -n "$sm80_line" ] && echo "$sm80_line"
+[ -n "$extra_lines" ] && echo "$extra_lines"
 [ -n "$python_line" ] && echo "$python_line"
 echo "sanitizers: $san"
 [ -f "$LOGS/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$LOGS/bench_forward_sm80.txt"; }

@@ -47,6 +47,11 @@ if [ "${1:-}" = "--python" ]; then
     "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('${w%%:*}') is None)" \
       || reqs+=("${w#*:}")
   done
+  # An older torch than the front needs (torch.library custom ops, torch.compiler) is upgraded.
+  if ! printf '%s\n' "${reqs[@]}" | grep -q '^torch' && ! "$venv/bin/python" -c \
+      "import sys, torch; sys.exit(tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) < (2, 4))"; then
+    reqs+=("torch>=2.4")
+  fi
   if [ ${#reqs[@]} -gt 0 ]; then
     echo "setup: installing ${reqs[*]} into build/python-venv"
     start=$SECONDS

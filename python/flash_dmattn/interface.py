@@ -36,14 +36,15 @@ def _check_tensor(argument: str, t, ndim: int, layout: str) -> None:
 
 
 def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_heads: int, seqlen_q: int,
-                     seqlen_k: int) -> None:
-    """Each dim of a mask or bias is 1 or full; heads are 1, Hk or H (docs/semantics.md §2)."""
+                     seqlen_k: int, dims: int = 4, layout: str = "(B|1, H|Hk|1, Sq|1, Sk|1)") -> None:
+    """Each dim of a mask or bias is 1 or full; heads are 1, Hk or H (docs/semantics.md §2). Key
+    lists check their first three dims so (dims=3): the last one is the list."""
     allowed = ((1, batch), (1, kv_heads, heads), (1, seqlen_q), (1, seqlen_k))
     names = ("batch", "heads", "query", "key")
-    for d, (size, ok) in enumerate(zip(t.shape, allowed)):
+    for d, (size, ok) in enumerate(zip(t.shape[:dims], allowed)):
         if size not in ok:
             _fail(ValueError, argument, f"expected {names[d]} size (dim {d}) in {sorted(set(ok))}, got {size} in "
-                                        f"shape {_shape(t)} (layout (B|1, H|Hk|1, Sq|1, Sk|1))")
+                                        f"shape {_shape(t)} (layout {layout})")
 
 
 def _check_types(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
@@ -98,12 +99,13 @@ def _check_indices(attn_indices, query, key) -> None:
     batch, seqlen_q, heads, _ = query.shape
     seqlen_k, kv_heads = key.shape[1], key.shape[2]
     # The last dim is the list of keys (any length), not a key dim: check the other three as a mask's.
-    rows = torch.empty(tuple(attn_indices.shape[:3]) + (1,), device="meta")
-    _check_broadcast("attn_indices", rows, batch, heads, kv_heads, seqlen_q, seqlen_k)
-    # Reading the values synchronizes with the GPU: not while a CUDA graph is captured or torch.compile
-    # traces, where out-of-range entries are ignored as the docstring says.
-    capturing = attn_indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if attn_indices.numel() and not capturing and not torch.compiler.is_compiling():
+    _check_broadcast("attn_indices", attn_indices, batch, heads, kv_heads, seqlen_q, seqlen_k, dims=3,
+                     layout="(B|1, H|Hk|1, Sq|1, K)")
+    # Reading the values synchronizes with the GPU: not while torch.compile traces (checked first:
+    # dynamo cannot fold the capture query) or a CUDA graph is captured, where out-of-range entries
+    # are ignored as the docstring says.
+    if (attn_indices.numel() and not torch.compiler.is_compiling() and
+            not (attn_indices.is_cuda and torch.cuda.is_current_stream_capturing())):
         bad = (attn_indices < -1) | (attn_indices >= seqlen_k)
         if bool(bad.any()):
             first = tuple(int(i) for i in bad.nonzero()[0])
@@ -119,7 +121,9 @@ def _indices_mask(attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     """
     idx = attn_indices.long()
     idx = torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k)
-    mask = torch.zeros(*idx.shape[:-1], seqlen_k + 1, dtype=torch.bool, device=idx.device)
+    # Rows of a multiple of 16 bytes: the CUDA summary reads aligned rows as 16-byte vectors.
+    width = (seqlen_k + 1 + 15) // 16 * 16
+    mask = torch.zeros(*idx.shape[:-1], width, dtype=torch.bool, device=idx.device)
     return mask.scatter_(-1, idx, True)[..., :seqlen_k]
 
 
@@ -181,9 +185,10 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             float32 log-sum-exp; the probabilities are never materialized, so the third is None.
         attn_indices: optional int32 or int64 (B|1, H|Hk|1, Sq|1, K): for every query row, the keys
             it may see (DeepSeek's sparse-attention form); -1 pads a row's list, a key listed twice
-            counts once, and any other value outside [0, Sk) raises ValueError (checked eagerly;
-            under CUDA-graph capture or torch.compile such entries are ignored). It keeps exactly
-            the keys of the bool mask it stands for, ANDed with attn_mask when both are given.
+            counts once, and any other value outside [0, Sk) raises ValueError (checked eagerly,
+            which on CUDA waits for the GPU once per call; under CUDA-graph capture or
+            torch.compile such entries are ignored). It keeps exactly the keys of the bool mask it
+            stands for, ANDed with attn_mask when both are given.
 
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
@@ -199,6 +204,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
 
     if attn_indices is not None:
         listed = _indices_mask(attn_indices, key.shape[1])
+        if attn_mask is not None:
+            attn_mask = _compact_broadcast(attn_mask)
         if attn_mask is not None and 1 != attn_mask.shape[1] != listed.shape[1] != 1:
             # One per query head and one per KV head: the KV head's rows serve its group of heads.
             group = query.shape[2] // key.shape[2]

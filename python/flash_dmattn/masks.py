@@ -67,7 +67,8 @@ def topk_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tenso
 def topk_key_indices(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], window_size: int,
                      min_dtype: float) -> torch.Tensor:
     """topk_mask's choice as key indices, for flash_dmattn_func(attn_indices=...) without an Sq x Sk
-    mask: int32 (.., window_size), sorted, -1 where a row has fewer visible keys than the window.
+    mask: int32 (.., window_size), sorted, so that the -1 of a row with fewer visible keys than the
+    window come first.
     No block smoothing (a smoothed mask keeps blocks, not a list of keys).
     """
     bias = _masked_bias(attention_bias, attention_mask, min_dtype)

@@ -399,10 +399,19 @@ class CudaSm80Backend final : public BackendImpl {
           "needs q, k, v and out with 16-byte aligned rows: base pointers aligned to 16 bytes and batch, row and "
           "head strides that are multiples of 8 elements");
     }
-    // The kernels hold batch and head indices in 32 bits; their grids run along grid.x (launch.h),
-    // which takes 2^31 - 1 CTAs: far more than memory can hold the tensors of.
+    // The kernels hold batch and head indices in 32 bits, and their grids run along grid.x
+    // (launch.h), which takes at most 2^31 - 1 CTAs: counted here with 64-row query tiles and
+    // 64-key tiles, the smallest any kernel takes, so that no launch fails for its size.
     if (p.batch > INT_MAX) return "supports at most 2^31 - 1 batches, got " + std::to_string(p.batch);
     if (p.heads > INT_MAX) return "supports at most 2^31 - 1 heads, got " + std::to_string(p.heads);
+    const std::int64_t query_tiles = p.batch * p.heads * ((p.seqlen_q + 63) / 64);
+    const std::int64_t key_tiles = p.batch * p.kv_heads * ((p.seqlen_k + 63) / 64);
+    if (std::max(query_tiles, key_tiles) > INT_MAX) {
+      return "supports at most 2^31 - 1 tiles of 64 rows over batch x heads, got " +
+             std::to_string(std::max(query_tiles, key_tiles)) + " (batch " + std::to_string(p.batch) + ", heads " +
+             std::to_string(p.heads) + ", seqlen_q " + std::to_string(p.seqlen_q) + ", seqlen_k " +
+             std::to_string(p.seqlen_k) + ")";
+    }
     if (pass == Pass::backward) {
       const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
       int available = 0;

@@ -94,7 +94,8 @@ def test_topk_key_indices_keep_what_topk_mask_keeps():
     (torch.zeros(2, 4, 5, dtype=torch.int32), ValueError,
      "argument 'attn_indices': expected 4 dims (B|1, H|Hk|1, Sq|1, K), got shape (2, 4, 5)"),
     (torch.zeros(2, 3, 5, 2, dtype=torch.int32), ValueError,
-     "argument 'attn_indices': expected heads size (dim 1) in [1, 2, 4], got 3"),
+     "argument 'attn_indices': expected heads size (dim 1) in [1, 2, 4], got 3 in shape (2, 3, 5, 2) "
+     "(layout (B|1, H|Hk|1, Sq|1, K))"),
     (torch.full((2, 4, 5, 2), 7, dtype=torch.int32), ValueError,
      "argument 'attn_indices': expected key indices in [0, 7) or -1 (padding), got 7 at (0, 0, 0, 0)"),
     (torch.tensor([[[[0, -2]]]], dtype=torch.int32), ValueError,
@@ -107,10 +108,11 @@ def test_bad_indices_are_named(indices, error, message):
     assert message in str(raised.value)
 
 
-def test_compile_fullgraph_traces_the_lists():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_traces_the_lists(device):
     """Under torch.compile the values are not read (that would synchronize); the result is the same."""
-    case = make_case(1, 8, 10, 2, 1, 16, dtype=torch.bfloat16)
-    indices = torch.tensor([[[[0, 3, 5, -1]]]], dtype=torch.int32)
+    case = make_case(1, 8, 10, 2, 1, 16, dtype=torch.bfloat16, device=device)
+    indices = torch.tensor([[[[0, 3, 5, -1]]]], dtype=torch.int32, device=device)
 
     def call(q, k, v, i):
         return flash_dmattn_func(q, k, v, attn_indices=i, is_causal=True)

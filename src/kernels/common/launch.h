@@ -30,8 +30,8 @@ struct GridCoords {
   int x, y, z;
 };
 
-// The 1-D grid of `shape`, or cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (some 10^12 threads'
-// worth of tiles: no tensor the card can hold gets there).
+// The 1-D grid of `shape`, or cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (the CUDA backend
+// refuses such problems before any launch, cannot_run in cuda_backend.cpp).
 inline cudaError_t folded_grid(const GridShape& shape, dim3* grid) {
   const std::int64_t ctas = shape.x * shape.y * shape.z;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
