@@ -58,7 +58,7 @@ def _check_types(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
         _check_tensor("attn_indices", attn_indices, 4, "(B|1, H|Hk|1, Sq|1, K)")
 
 
-def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
+def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
     """Dtypes, devices and shapes, after autocast."""
     if query.dtype not in (torch.float16, torch.bfloat16):
         _fail(TypeError, "query", f"expected dtype float16 or bfloat16 (or float32 under torch.autocast), got "
@@ -66,7 +66,8 @@ def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             _fail(TypeError, name, f"expected the dtype of query ({query.dtype}), got {t.dtype}")
-    for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+    for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask), ("attn_bias", attn_bias),
+                    ("attn_indices", attn_indices)):
         if t is not None and t.device != query.device:
             _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
     batch, seqlen_q, heads, head_dim = query.shape
@@ -91,11 +92,10 @@ def _check_operands(query, key, value, attn_mask, attn_bias) -> None:
 
 
 def _check_indices(attn_indices, query, key) -> None:
-    """Shape, dtype and device of attn_indices; its values where reading them is allowed (eager)."""
+    """Shape and dtype of attn_indices (its device is checked with the others); its values where
+    reading them is allowed (eager)."""
     if attn_indices.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "attn_indices", f"expected dtype torch.int32 or torch.int64, got {attn_indices.dtype}")
-    if attn_indices.device != query.device:
-        _fail(ValueError, "attn_indices", f"expected the device of query ({query.device}), got {attn_indices.device}")
     batch, seqlen_q, heads, _ = query.shape
     seqlen_k, kv_heads = key.shape[1], key.shape[2]
     # The last dim is the list of keys (any length), not a key dim: check the other three as a mask's.
@@ -195,7 +195,7 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     """
     _check_types(query, key, value, attn_mask, attn_bias, attn_indices)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
-    _check_operands(query, key, value, attn_mask, attn_bias)
+    _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
         _check_indices(attn_indices, query, key)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op

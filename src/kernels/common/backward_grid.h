@@ -12,11 +12,14 @@
 
 namespace flash_dmattn::kernels {
 
+__host__ __device__ inline int key_tile_count(const BackwardParams& p, int block_n) {
+  return (p.fwd.seqlen_k + block_n - 1) / block_n;
+}
+
 // The grid: x the key tiles of kBlockN keys (key_splits in deterministic mode), y the KV head, z
 // the batch; folded into grid.x (launch.h).
 __host__ __device__ inline GridShape backward_grid_shape(const BackwardParams& p, int block_n) {
-  const int key_tiles = (p.fwd.seqlen_k + block_n - 1) / block_n;
-  return {p.deterministic ? p.key_splits : key_tiles, p.fwd.kv_heads, p.fwd.batch};
+  return {p.deterministic ? p.key_splits : key_tile_count(p, block_n), p.fwd.kv_heads, p.fwd.batch};
 }
 
 // Calls tile(n_block, kv_head, batch, split) for every key tile of this CTA. Key tile 0 sees the
@@ -27,7 +30,7 @@ __host__ __device__ inline GridShape backward_grid_shape(const BackwardParams& p
 // 26% more than CTA 15, and the whole grid waited for it).
 template <int kBlockN, typename TileFn>
 __device__ __forceinline__ void for_each_key_tile(const BackwardParams& p, TileFn&& tile) {
-  const int key_tiles = (p.fwd.seqlen_k + kBlockN - 1) / kBlockN;
+  const int key_tiles = key_tile_count(p, kBlockN);
   const GridShape shape = backward_grid_shape(p, kBlockN);
   const GridCoords cta = unfold_block(shape);
   const int ctas = static_cast<int>(shape.x);
@@ -89,16 +92,9 @@ __device__ __forceinline__ float* dq_accum_rows(const BackwardParams& p, int b, 
 template <typename Traits, typename KernelArgs>
 cudaError_t launch_backward(void (*kernel)(KernelArgs), const KernelArgs& args, const BackwardParams& p,
                             cudaStream_t stream) {
-  constexpr int kSmem = Traits::kSmemBytes;
-  cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
-  if (status != cudaSuccess) return status;
-  const int key_tiles = (p.fwd.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  if (key_tiles == 0) return cudaSuccess;
-  dim3 grid;
-  status = folded_grid(backward_grid_shape(p, Traits::kBlockN), &grid);
-  if (status != cudaSuccess) return status;
-  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(args);
-  return cudaGetLastError();
+  if (key_tile_count(p, Traits::kBlockN) == 0) return cudaSuccess;
+  return launch_folded<Traits::kSmemBytes>(kernel, backward_grid_shape(p, Traits::kBlockN), Traits::kNThreads, stream,
+                                           args);
 }
 
 }  // namespace flash_dmattn::kernels

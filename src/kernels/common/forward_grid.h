@@ -32,13 +32,7 @@ __device__ __forceinline__ ForwardCta forward_cta(const ForwardParams& p, int bl
 template <int kSmem, typename KernelArgs>
 cudaError_t launch_query_tiles(void (*kernel)(KernelArgs), const KernelArgs& args, const ForwardParams& p, int block_m,
                                unsigned threads, cudaStream_t stream) {
-  cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
-  if (status != cudaSuccess) return status;
-  dim3 grid;
-  status = folded_grid(forward_grid_shape(p, block_m), &grid);
-  if (status != cudaSuccess) return status;
-  kernel<<<grid, threads, kSmem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_folded<kSmem>(kernel, forward_grid_shape(p, block_m), threads, stream, args);
 }
 
 // Launches a forward kernel of Traits over that grid on `stream`, with the dynamic shared memory

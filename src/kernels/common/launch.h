@@ -30,17 +30,22 @@ struct GridCoords {
   int x, y, z;
 };
 
-// The 1-D grid of `shape`, or cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (the CUDA backend
-// refuses such problems before any launch, cannot_run in cuda_backend.cpp).
-inline cudaError_t folded_grid(const GridShape& shape, dim3* grid) {
+#ifdef __CUDACC__
+// Launches kernel(args...) on `stream` over the grid of `shape` folded into grid.x, with kSmem
+// bytes of dynamic shared memory; cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (the CUDA
+// backend refuses such problems before any launch, cannot_run in cuda_backend.cpp).
+template <int kSmem, typename... Params, typename... Args>
+cudaError_t launch_folded(void (*kernel)(Params...), const GridShape& shape, unsigned threads, cudaStream_t stream,
+                          const Args&... args) {
   const std::int64_t ctas = shape.x * shape.y * shape.z;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  *grid = dim3(static_cast<unsigned>(ctas));
-  return cudaSuccess;
+  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  if (status != cudaSuccess) return status;
+  kernel<<<static_cast<unsigned>(ctas), threads, kSmem, stream>>>(args...);
+  return cudaGetLastError();
 }
 
-#ifdef __CUDACC__
-// This CTA's (x, y, z) in a grid of `shape` launched by folded_grid.
+// This CTA's (x, y, z) in a grid of `shape` launched by launch_folded.
 __device__ __forceinline__ GridCoords unfold_block(const GridShape& shape) {
   const unsigned cta = blockIdx.x, nx = static_cast<unsigned>(shape.x), ny = static_cast<unsigned>(shape.y);
   const unsigned xy = cta / nx;

@@ -84,15 +84,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 }  // namespace
 
 cudaError_t combine_split_partials(const ForwardParams& params, cudaStream_t stream) {
-  dim3 grid;  // a CTA per (batch, head, query row)
-  const cudaError_t status = folded_grid({std::int64_t(params.batch) * params.heads * params.seqlen_q, 1, 1}, &grid);
-  if (status != cudaSuccess) return status;
-  if (params.element == ElementType::bfloat16) {
-    combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params);
-  } else {
-    combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params);
-  }
-  return cudaGetLastError();
+  const GridShape rows{std::int64_t(params.batch) * params.heads * params.seqlen_q, 1, 1};  // a CTA per row
+  return params.element == ElementType::bfloat16
+             ? launch_folded<0>(&combine_kernel<__nv_bfloat16>, rows, kThreads, stream, params)
+             : launch_folded<0>(&combine_kernel<__half>, rows, kThreads, stream, params);
 }
 
 }  // namespace flash_dmattn::kernels

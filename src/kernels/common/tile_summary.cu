@@ -276,16 +276,10 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   summary->bits_row_stride = mask.rows == 1 ? 0 : row_words;
   summary->bits_row_words = static_cast<int>(row_words);
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
-  const bool single_row = mask.rows == 1 && !mask.causal;
-  dim3 grid;
-  const cudaError_t status = folded_grid(single_row ? row_summary_grid_shape(mask) : summary_grid_shape(mask), &grid);
-  if (status != cudaSuccess) return status;
-  if (single_row) {
-    row_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
-  } else {
-    tile_summary_kernel<<<grid, kThreads, 0, stream>>>(mask, out, bits);
+  if (mask.rows == 1 && !mask.causal) {
+    return launch_folded<0>(&row_summary_kernel, row_summary_grid_shape(mask), kThreads, stream, mask, out, bits);
   }
-  return cudaGetLastError();
+  return launch_folded<0>(&tile_summary_kernel, summary_grid_shape(mask), kThreads, stream, mask, out, bits);
 }
 
 }  // namespace flash_dmattn::kernels
