@@ -114,7 +114,7 @@ fi
 
 san="skipped"
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
-  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:BackwardRuntime.*:BackwardLayouts.*:TileSummaryBuild.*:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*:Forward/StagedBias*}"
+  filter="${SANITIZER_FILTER:-Forward/HeadDims*:SparseMasks*:EmptySizes*:Layouts*:Runtime*:*DecodeMasks*:BackwardSparseMasks.DensityTwoPerThousand*:BackwardSparseMasks.WholeTilesEmpty:BackwardEmptySizes.*:BackwardRuntime.*:BackwardLayouts.*:TileSummaryBuild.*:Limits.OneOfEverything:Backward/BackwardBroadcast.*/mask_BHkSqSk_bias_*:Forward/StagedBias*}"
   san="memcheck:"
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="$filter" > "$LOGS/memcheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"

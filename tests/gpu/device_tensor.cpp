@@ -84,7 +84,9 @@ DeviceTensor::DeviceTensor(const HostTensor& layout, std::vector<unsigned char> 
       view_(layout.view) {
   cuda_check(cudaMemcpy(buffer_.data(), image_.data(), image_.size(), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
   view_.data = static_cast<unsigned char*>(buffer_.data()) + kGuardBytes;
-  view_.device = kCuda0;
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  view_.device = Device{DeviceType::cuda, device};
 }
 
 void DeviceTensor::poison_async(cudaStream_t stream) const {

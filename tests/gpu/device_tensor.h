@@ -23,8 +23,6 @@ void cuda_check(cudaError_t error, const char* what);
 // Number of CUDA devices, 0 when the driver or the runtime cannot report any.
 int cuda_device_count();
 
-inline constexpr Device kCuda0{DeviceType::cuda, 0};
-
 // cudaMalloc'd bytes, freed on destruction. cudaMalloc aligns to at least 256 bytes, which is
 // what kWorkspaceAlignment asks of a workspace.
 class DeviceBuffer {
@@ -81,7 +79,7 @@ class DeviceTensor {
   DeviceTensor& operator=(DeviceTensor&&) = default;
   ~DeviceTensor() = default;
 
-  // The view on the device (device = cuda:0).
+  // The view on the device (the device current when the tensor was made).
   const TensorView& view() const { return view_; }
   // Sets every byte back to 0xFF on `stream` (an output before a rerun).
   void poison_async(cudaStream_t stream) const;

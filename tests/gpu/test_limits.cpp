@@ -1,6 +1,7 @@
 // The edges of the shape space and of the runtime: grids past CUDA's 65,535 CTAs in grid.y and
 // grid.z (batch x heads of batched short sequences), the smallest problem, a million and two
-// million keys, and calls from several host threads on streams of their own at once.
+// million keys, calls from several host threads on streams of their own at once, and tensors on a
+// device that is not the current one (where the machine has two GPUs).
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -134,6 +135,44 @@ TEST_F(Limits, ConcurrentCallsFromThreadsMatchSerialCalls) {
       EXPECT_TRUE(together.dbias->bytes == alone[t].dbias->bytes) << "thread " << t << ": dbias differs";
     }
   }
+}
+
+// Tensors and stream on cuda:1 while cuda:0 is current: the library launches on the tensors'
+// device (a launch on the current one would fault or read another device's memory) and leaves
+// cuda:0 current. Forward and backward, on the sm90a path where it applies.
+TEST_F(Limits, TensorsOnADeviceThatIsNotCurrent) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  auto rng = test_rng();
+  ForwardCase f;
+  f.n = Sizes{2, 300, 517, 8, 2, 128};
+  f.mask = OperandShape{true, f.n.Hk, true, true};
+  f.bias = OperandShape{true, f.n.Hk, false, true};
+  f.causal = true;
+  const ForwardProblem forward_problem = ForwardProblem::random(f, rng);
+  BackwardCase b;
+  b.n = f.n;
+  b.mask = f.mask;
+  b.bias = f.bias;
+  b.causal = true;
+  const BackwardProblem backward_problem = BackwardProblem::random(b, rng);
+  // Everything the calls read or write is made on cuda:1.
+  cuda_check(cudaSetDevice(1), "cudaSetDevice");
+  Stream stream_1;
+  GpuForward forward_gpu(forward_problem, stream_1.get());
+  forward_gpu.prepare();
+  GpuBackward backward_gpu(backward_problem, stream_1.get());
+  if (!test_stopped()) backward_gpu.prepare();
+  cuda_check(cudaSetDevice(0), "cudaSetDevice");
+  if (test_stopped()) return;
+  Status status = forward_gpu.run();
+  ASSERT_TRUE(status.ok()) << "forward: " << status.message();
+  status = backward_gpu.run();
+  ASSERT_TRUE(status.ok()) << "backward: " << status.message();
+  int current = -1;
+  cuda_check(cudaGetDevice(&current), "cudaGetDevice");
+  EXPECT_EQ(current, 0) << "the calls left another device current";
+  expect_outputs_match_reference(forward_problem, forward_gpu.finish());
+  expect_gradients_match_reference(backward_problem, backward_gpu.finish());
 }
 
 }  // namespace
