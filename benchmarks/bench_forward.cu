@@ -45,14 +45,17 @@ namespace {
     }                                                                                             \
   } while (0)
 
-enum class MaskKind { none, all_true, sliding_window };
+// scattered: a pseudo-random subset of `window` keys of every Sk (per head), kept by every row
+// that may see them: scattered keys like the seed's top-k of one bias row, which leave almost
+// every tile partly visible (FLASH_DMATTN_SPARSE_PATH=gather computes only the kept keys).
+enum class MaskKind { none, all_true, sliding_window, scattered };
 
 struct Workload {
   const char* name;
   int B, H, Hk, Sq, Sk, D;
   bool causal;
   MaskKind mask;
-  int window;         // sliding_window: row i keeps keys (i - window, i]
+  int window;         // sliding_window: row i keeps keys (i - window, i]; scattered: keys kept
   bool bias = true;   // (B, Hk, 1, Sk)
   bool backward = true;
 };
@@ -67,6 +70,8 @@ const Workload kWorkloads[] = {
     {"train_window1024_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::sliding_window, 1024},
     {"train_dense_d64", 2, 16, 4, 8192, 8192, 64, true, MaskKind::all_true, 0},
     {"seed_dense_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::all_true, 0},
+    {"seed_scatter1024_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::scattered, 1024},
+    {"train_scatter2048_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::scattered, 2048},
     {"decode_sk131072_d128", 1, 32, 8, 1, 131072, 128, false, MaskKind::all_true, 0, true, false},
 };
 
@@ -82,12 +87,21 @@ __global__ void fill_random(T* data, std::int64_t n, std::uint64_t seed, float s
   }
 }
 
-__global__ void fill_mask(std::uint8_t* mask, int heads, int Sq, int Sk, int kind, int window) {
+__global__ void fill_mask(std::uint8_t* mask, int heads, int Sq, int Sk, MaskKind kind, int window) {
   const std::int64_t n = std::int64_t(heads) * Sq * Sk;
   for (std::int64_t e = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; e < n; e += std::int64_t(gridDim.x) * blockDim.x) {
     const int j = static_cast<int>(e % Sk), i = static_cast<int>((e / Sk) % Sq);
+    const std::int64_t head = e / (std::int64_t(Sq) * Sk);
     const int diag = i + Sk - Sq;
-    mask[e] = kind == 1 ? 1 : (j <= diag && j > diag - window);
+    if (kind == MaskKind::scattered) {
+      std::uint64_t x = (head * Sk + j + 1) * 0x9E3779B97F4A7C15ull;
+      x ^= x >> 29;
+      x *= 0xBF58476D1CE4E5B9ull;
+      x ^= x >> 32;
+      mask[e] = j <= diag && static_cast<int>(x % Sk) < window;
+    } else {
+      mask[e] = kind == MaskKind::all_true ? 1 : (j <= diag && j > diag - window);
+    }
   }
 }
 
@@ -104,13 +118,16 @@ bool tile_visited(const Workload& w, int m0, int m1, int n0, int n1) {
 
 // Whether the library runs the sm90a forward here: an sm_90 GPU, FLASH_DMATTN_KERNELS not set to
 // sm80, a head dim of the sm90a family (32 to 128, src/kernels/manifest.cmake) and Sq > 16
-// (decode runs on sm80): choose_family in src/cuda/cuda_backend.cpp for these workloads. The
+// (decode runs on sm80), and not on the gather path: choose_family and plan_forward in
+// src/cuda/cuda_backend.cpp for these workloads. The
 // backward's family follows at D = 64 and 128 (deterministic mode included). The build is assumed
 // to include the sm90a family, as it does by default for sm_90.
 bool g_sm90_device = false;
 bool runs_sm90a(const Workload& w) {
   const char* forced = std::getenv("FLASH_DMATTN_KERNELS");
-  return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && w.D <= 128 && w.Sq > 16;
+  const char* path = std::getenv("FLASH_DMATTN_SPARSE_PATH");  // the gather path runs sm80 kernels
+  const bool gather = path && std::strcmp(path, "gather") == 0 && w.mask != MaskKind::none;
+  return g_sm90_device && !(forced && std::strcmp(forced, "sm80") == 0) && !gather && w.D <= 128 && w.Sq > 16;
 }
 
 // The benchmark's tensors are contiguous: the sm90a forward runs its TMA kernel.
@@ -220,7 +237,7 @@ Result run(const Workload& w, int runs, bool forward_only, bool no_dbias) {
   const std::int64_t mask_elems = std::int64_t(w.B) * w.Hk * w.Sq * w.Sk;
   if (w.mask != MaskKind::none) {
     CHECK_CUDA(cudaMalloc(&mask, mask_elems));
-    fill_mask<<<4096, 256>>>(mask, w.B * w.Hk, w.Sq, w.Sk, w.mask == MaskKind::all_true ? 1 : 2, w.window);
+    fill_mask<<<4096, 256>>>(mask, w.B * w.Hk, w.Sq, w.Sk, w.mask, w.window);
   }
   CHECK_CUDA(cudaGetLastError());
 

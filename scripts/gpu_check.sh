@@ -11,7 +11,8 @@
 # benchmark run twice: with the default kernels (the sm90a ones where they apply) and with
 # FLASH_DMATTN_KERNELS=sm80 (GPU_SM80_FILTER narrows that run), and the backward tests a third
 # time, all in deterministic mode (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER
-# narrows them).
+# narrows them). Every sm_80+ GPU runs the suite once more with FLASH_DMATTN_SPARSE_PATH=gather
+# (GPU_GATHER_FILTER narrows it).
 # PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
 # (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
 # it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
@@ -64,6 +65,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tail -5 "$LOGS/gpu_tests_sm80.log"
     save_logs
   fi
+  # The whole suite once more with the forward on the gather path (key lists, sm80 kernels); the
+  # backward tests check their forward's out and lse too. GPU_GATHER_FILTER narrows it.
+  FLASH_DMATTN_SPARSE_PATH=gather build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter="${GPU_GATHER_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_gather.log" 2>&1 || gpu_rc=1
+  extra_lines+=$'\n'"GPU tests with FLASH_DMATTN_SPARSE_PATH=gather: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_gather.log" | tr '\n' ' ')"
+  save_logs
   # Every backward test once more in deterministic mode, whose kernels differ (dq slots per key
   # split; on sm90a at D = 128 a dQ kernel of its own, sm90/tile_size.h has_dq_kernel).
   FLASH_DMATTN_TEST_DETERMINISTIC=1 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \

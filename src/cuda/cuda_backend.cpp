@@ -11,6 +11,7 @@
 
 #include "../backend.h"
 #include "kernels/common/grad_passes.h"
+#include "kernels/common/key_lists.h"
 #include "kernels/common/split_combine.h"
 #include "kernels/common/tile_summary.h"
 #include "kernels/params.h"
@@ -110,18 +111,36 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
 // Hopper GPU); unset or "auto" picks sm90a wherever it can run.
 enum class KernelFamily { sm80, sm90a };
 constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
+// The forward's way through a masked call: "tile" (the default) walks the key tiles the tile
+// summary leaves active; "gather" computes only the keys some row of a query tile keeps, from
+// per-tile key lists (sm80 kernels; docs/architecture.md). The backward takes the tile path.
+constexpr const char* kSparsePathVariable = "FLASH_DMATTN_SPARSE_PATH";
+
+// Whether the forward takes the gather path; a value that is neither tile nor gather sets *error.
+bool gather_requested(std::string* error = nullptr) {
+  const char* value = std::getenv(kSparsePathVariable);
+  const std::string mode = value && *value ? value : "tile";
+  if (mode != "tile" && mode != "gather" && error) {
+    *error = std::string("flash_dmattn: ") + kSparsePathVariable + " must be tile or gather, got '" + mode + "'";
+  }
+  return mode == "gather";
+}
 
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
 // the GPU (decode), and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
+// How a forward runs, and its workspace: [tile summary][split partial O][split partial LSE][key lists].
 struct ForwardPlan {
   KernelFamily family = KernelFamily::sm80;
   int pack_group = 1;
   int num_splits = 1;
-  std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0;
+  bool gather = false;  // the gather path: key lists, sm80 kernels
+  kernels::KeyListExtent lists;
+  std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0, lists_bytes = 0;
 
-  std::size_t workspace_bytes() const {
+  std::size_t lists_offset() const {
     return align_up(summary_bytes) + align_up(partial_out_bytes) + align_up(partial_lse_bytes);
   }
+  std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
 
 int multiprocessors(int device) {
@@ -173,6 +192,23 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  // The gather path needs keys to choose: a mask with a key dim. Its lists are per query tile of
+  // one mask head, so it neither packs GQA heads nor splits the keys.
+  if (a.mask && a.mask->shape[3] != 1 && gather_requested()) {
+    plan.gather = true;
+    plan.family = KernelFamily::sm80;
+    kernels::KeyListExtent& e = plan.lists;
+    e.batches = a.mask->shape[0];
+    e.heads = a.mask->shape[1];
+    e.seqlen_q = static_cast<int>(p.seqlen_q);
+    e.seqlen_k = static_cast<int>(p.seqlen_k);
+    e.block_m = kernels::sm80::forward_tile(static_cast<int>(p.head_dim)).block_m;
+    e.head_divisor = static_cast<int>(p.heads / a.mask->shape[1]);
+    e.causal = p.causal;
+    e.diagonal = static_cast<int>(p.seqlen_k - p.seqlen_q);
+    plan.lists_bytes = kernels::key_lists_bytes(e);
+    return plan;
+  }
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
   // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
   const std::int64_t group = p.group_size();
@@ -375,6 +411,7 @@ class CudaSm80Backend final : public BackendImpl {
   Status check_settings(const Problem& p, Pass pass) const override {
     std::string error;
     choose_family(p, arch_of(p.device.index), pass, &error);
+    if (error.empty()) gather_requested(&error);
     return error.empty() ? Status::success() : Status::error(StatusCode::invalid_argument, error);
   }
 
@@ -468,6 +505,11 @@ class CudaSm80Backend final : public BackendImpl {
       const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
                                                         &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
+    }
+    if (plan.gather) {
+      const cudaError_t e = kernels::build_key_lists(plan.lists, params.summary, workspace + plan.lists_offset(),
+                                                     stream, &params.lists);
+      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
     const bool sm90a = plan.family == KernelFamily::sm90a;
     cudaError_t e = sm90a ? kernels::sm90::forward(params, stream) : kernels::sm80::forward(params, stream);

@@ -33,6 +33,19 @@ struct TileSummary {
   int bits_row_words = 0;  // words per mask row
 };
 
+// The gather path's key lists, built by build_key_lists() (key_lists.h) from the mask's bits: for
+// every query tile of block_m rows of every (mask batch, mask head), the keys that some row of the
+// tile may see, ascending, and how many there are. The forward then loads only those K and V rows,
+// so its cost follows the kept keys rather than the key span.
+struct KeyLists {
+  const int* keys = nullptr;    // nullptr: the tile path. List t starts at keys + t * capacity
+  const int* counts = nullptr;  // keys in list t
+  std::int64_t batch_stride = 0, head_stride = 0;  // in lists; 0 where the mask broadcasts
+  int head_divisor = 1;  // query heads per mask head
+  int block_m = 0;       // query rows per list
+  int capacity = 0;      // room per list: Sk keys
+};
+
 // Head dims every kernel runs: multiples of 8 up to 256 (validation holds calls to this).
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
@@ -58,6 +71,7 @@ struct ForwardParams {
   BroadcastOperand mask;  // bytes, nonzero keeps a key
   BroadcastOperand bias;
   TileSummary summary;
+  KeyLists lists;  // the gather path's (forward, sm80 kernels); keys == nullptr otherwise
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 1.f;

@@ -10,17 +10,19 @@
 
 namespace flash_dmattn::kernels::sm80 {
 
-template <typename Traits>
+template <typename Traits, KeySource kSource>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) forward_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(128) char smem[];
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
-  forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+  forward_tile<Traits, kSource>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using Traits = ForwardTraits<Element, kHeadDim>;
-  return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
+  // The gather path is a kernel of its own, so that its code does not weigh on the tile path's.
+  return params.lists.keys ? launch_forward<Traits>(&forward_kernel<Traits, KeySource::lists>, params, stream)
+                           : launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

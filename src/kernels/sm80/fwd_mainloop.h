@@ -2,11 +2,14 @@
 // keep an online softmax, write O and the LSE. The loop body is the algorithm:
 //   S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - max)  ->  O += P·V
 // with K of the next active tile and V of the current one loaded by cp.async behind the math.
+// The gather path runs the same loop over chunks of the CTA's key list (gathered_keys.h) instead
+// of key tiles.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "kernels/common/forward_epilogue.h"
+#include "kernels/common/gathered_keys.h"
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
@@ -16,7 +19,22 @@
 
 namespace flash_dmattn::kernels::sm80 {
 
-template <typename Traits>
+// Where a CTA's keys come from: the key tiles of the span the tile summary leaves active, or the
+// key list of the gather path (ForwardParams::lists).
+enum class KeySource { tiles, lists };
+
+struct NoKeyList {};
+
+template <KeySource kSource, int kBlockN>
+__device__ __forceinline__ auto key_list(const ForwardParams& p, int b, int query_head, int m_block) {
+  if constexpr (kSource == KeySource::lists) {
+    return GatheredKeys<kBlockN>(p.lists, b, query_head, m_block);
+  } else {
+    return NoKeyList{};
+  }
+}
+
+template <typename Traits, KeySource kSource>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int grid_head, int b,
                                              int split) {
   using namespace cute;
@@ -88,16 +106,44 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   OnlineSoftmax<kRows> softmax;
   softmax.init();
 
-  auto load_kv = [&](auto& src, auto& dst, int n_block) {
-    copy_rows_async(src(_, _, _, n_block), dst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+  constexpr bool kLists = kSource == KeySource::lists;
+  const auto list = key_list<kSource, kBlockN>(p, b, rows.head(row0), m_block);
+  const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
+  const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
+  // n_block: a key tile, or on the gather path a chunk of the list (ascending from 0).
+  auto load_k = [&](int n_block) {
+    if constexpr (kLists) {
+      list.load(tKsK, tKVcKV, n_block, k_rows, p.k_row_stride, p.head_dim);
+    } else {
+      copy_rows_async(tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    }
+  };
+  auto load_v = [&](int n_block) {
+    if constexpr (kLists) {
+      list.load(tVsV, tKVcKV, n_block, v_rows, p.v_row_stride, p.head_dim);
+    } else {
+      copy_rows_async(tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    }
+  };
+  auto next_after = [&](int n_block) {
+    if constexpr (kLists) {
+      return n_block + 1 < list.chunks() ? n_block + 1 : -1;
+    } else {
+      return tiles.at_or_below(n_block - 1);
+    }
   };
 
   copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
     const int packed = row0 + row;
     return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
-  int n_block = tiles.first();
-  if (n_block >= 0) load_kv(tKgK, tKsK, n_block);
+  int n_block;
+  if constexpr (kLists) {
+    n_block = list.chunks() > 0 ? 0 : -1;
+  } else {
+    n_block = tiles.first();
+  }
+  if (n_block >= 0) load_k(n_block);
   cp_async_fence();
   // Warp w owns rows 16w..16w+15. A warp whose rows are all past the tile's end (a packed decode
   // tile holds a handful of rows) skips the MMAs and the softmax but keeps loading and meeting
@@ -106,23 +152,26 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   const bool warp_has_rows = threadIdx.x / 32 * 16 < tile_rows;
 
   while (n_block >= 0) {
-    const bool elementwise = tiles.needs_elementwise(n_block);
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
-    load_kv(tVgV, tVsV, n_block);
+    load_v(n_block);
     cp_async_fence();
 
     if (warp_has_rows) {
       gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
-      policy.apply(acc_s, tScS, n_block, elementwise);
+      if constexpr (kLists) {
+        policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { list.apply(kind, policy, acc_s, tScS, n_block); });
+      } else {
+        policy.apply(acc_s, tScS, n_block, tiles.needs_elementwise(n_block));
+      }
     }
 
-    const int next = tiles.at_or_below(n_block - 1);
+    const int next = next_after(n_block);
     cp_async_wait<0>();
     __syncthreads();  // V of this tile has landed, and every warp is done reading K
-    if (next >= 0) load_kv(tKgK, tKsK, next);
+    if (next >= 0) load_k(next);
     cp_async_fence();
 
     if (warp_has_rows) {
