@@ -166,6 +166,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.size(-1) == 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _kernel_operands(attn_mask, attn_bias):
+    """Mask and bias as the kernels read them: broadcast dims as size-1 views, keys contiguous."""
+    if attn_mask is not None:
+        attn_mask = _last_dim_contiguous(_compact_broadcast(attn_mask))
+    if attn_bias is not None:
+        # A bias that needs a gradient keeps its expanded shape: autograd wants a gradient of that
+        # shape. Pass real size-1 dims to get the reduced dbias straight from the kernel.
+        if not attn_bias.requires_grad:
+            attn_bias = _compact_broadcast(attn_bias)
+        attn_bias = _last_dim_contiguous(attn_bias)
+    return attn_mask, attn_bias
+
+
 def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
                       softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None):
     """Attention with a dynamic boolean mask and an additive bias (docs/semantics.md).
@@ -214,15 +227,7 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             else:
                 listed = listed.repeat_interleave(group, dim=1)
         attn_mask = listed if attn_mask is None else attn_mask & listed
-    if attn_mask is not None:
-        attn_mask = _last_dim_contiguous(_compact_broadcast(attn_mask))
-    if attn_bias is not None:
-        # A bias that needs a gradient keeps its expanded shape: autograd wants a gradient of that
-        # shape. Pass real size-1 dims to get the reduced dbias straight from the kernel.
-        if not attn_bias.requires_grad:
-            attn_bias = _compact_broadcast(attn_bias)
-        attn_bias = _last_dim_contiguous(attn_bias)
-
+    attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
     out, lse = torch_ops.forward(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
                                  bool(deterministic))
     return (out, lse, None) if return_attn_probs else out

@@ -1,6 +1,6 @@
 // The CPU backend of the public API: the fp64 reference, with results rounded once into the
-// caller's output dtypes. It recomputes the forward inside the backward, so it reads the shapes
-// of `out` and `lse` but not their values.
+// caller's output dtypes. It recomputes the forward inside the backward in fp64 and reads the
+// given `out` and `lse` only for rows whose lse differs from its own (reference::backward).
 #include <string>
 
 #include "../backend.h"
@@ -94,7 +94,8 @@ class CpuReferenceBackend final : public BackendImpl {
   Status backward(const BackwardArgs& a, const Problem& p) const override {
     const Status lists = check_indices("backward", a.indices, p);
     if (!lists.ok()) return lists;
-    const reference::Gradients g = reference::backward(reference_inputs(a, p), a.dout);
+    const reference::Gradients g =
+        reference::backward(reference_inputs(a, p), a.dout, reference::GivenRows{&a.out, &a.lse});
     store_all(a.dq, g.dq);
     store_all(a.dk, g.dk);
     store_all(a.dv, g.dv);

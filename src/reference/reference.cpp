@@ -130,7 +130,7 @@ ForwardResult forward(const Inputs& in) {
 //   dS[i,j] = dZ[i,j]·s·(1 - tanh²(s·<q_i,k_j>/c))            gradient of <q_i,k_j> (factor 1 without softcap)
 //   dq_i   += sum_j dS[i,j]·k_j;  dk_j += dS[i,j]·q_i;  dv_j += P[i,j]·dO_i   (dk, dv over the GQA group)
 //   dbias  += dZ[i,j] at the bias element (b,h,i,j) reads, i.e. summed over every broadcast dimension
-Gradients backward(const Inputs& in, const TensorView& dout) {
+Gradients backward(const Inputs& in, const TensorView& dout, const GivenRows& given) {
   const Dims n(in);
   Gradients g;
   g.dq.assign(n.B * n.Sq * n.H * n.D, 0.0);
@@ -158,6 +158,14 @@ Gradients backward(const Inputs& in, const TensorView& dout) {
       for (std::int64_t i = 0; i < n.Sq; ++i) {
         row.compute(in, n, b, h, i);
         if (row.lse == kInf) continue;  // no visible key: every gradient of this row is 0
+        const double given_lse = given.lse ? load(*given.lse, b * given.lse->stride[0] + h * given.lse->stride[1] +
+                                                                   i * given.lse->stride[2])
+                                           : std::nan("");
+        const bool outer = !std::isnan(given_lse) && static_cast<float>(given_lse) != static_cast<float>(row.lse);
+        auto p_of = [&](std::int64_t j) {
+          if (!outer) return row.p(j);
+          return row.visible[j] && given_lse != kInf ? std::exp(row.z[j] - given_lse) : 0.0;
+        };
         double d_i = 0.0;
         for (std::int64_t j = 0; j < n.Sk; ++j) {
           dp[j] = 0.0;
@@ -165,12 +173,18 @@ Gradients backward(const Inputs& in, const TensorView& dout) {
           for (std::int64_t d = 0; d < n.D; ++d) {
             dp[j] += load(dout, offset4(dout, b, i, h, d)) * load(in.v, offset4(in.v, b, j, kvh, d));
           }
-          d_i += row.p(j) * dp[j];
+          if (!outer) d_i += row.p(j) * dp[j];
+        }
+        if (outer) {
+          d_i = 0.0;
+          for (std::int64_t d = 0; d < n.D; ++d) {
+            d_i += load(dout, offset4(dout, b, i, h, d)) * load(*given.out, offset4(*given.out, b, i, h, d));
+          }
         }
         double* dq = &g.dq[((b * n.Sq + i) * n.H + h) * n.D];
         for (std::int64_t j = 0; j < n.Sk; ++j) {
           if (!row.visible[j]) continue;
-          const double p = row.p(j);
+          const double p = p_of(j);
           const double dz = p * (dp[j] - d_i);
           double ds = dz * in.scale;
           if (in.softcap > 0.0) {

@@ -37,8 +37,19 @@ struct Gradients {
   std::vector<double> dbias;  // the bias's own shape, contiguous; empty without a bias
 };
 
+// The statistics a backward call was given: the forward's out (B, Sq, H, D) and lse (B, H, Sq).
+struct GivenRows {
+  const TensorView* out = nullptr;
+  const TensorView* lse = nullptr;
+};
+
 ForwardResult forward(const Inputs& inputs);
-// Gradients of the loss L = sum(dout * out), recomputing the forward in fp64.
-Gradients backward(const Inputs& inputs, const TensorView& dout);
+// Gradients of the loss L = sum(dout * out), recomputing the forward in fp64. With `given`, a row
+// whose given lse differs from the recomputed one (both rounded to fp32) takes its statistics from
+// there: P = exp(z - lse) and D_i = <dO_i, O_i> with the given out. That is a row whose out and lse
+// come from attention over more keys than these (context parallelism merges blocks of keys and
+// runs each block's backward with the merged out and lse). Where they agree, the recomputation is
+// the same quantity in fp64; a NaN lse (a backward run without its forward) is no statistic.
+Gradients backward(const Inputs& inputs, const TensorView& dout, const GivenRows& given = {});
 
 }  // namespace flash_dmattn::reference
