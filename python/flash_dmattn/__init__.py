@@ -16,6 +16,7 @@ __version__ = version()
 # name -> module that defines it; each needs torch.
 _TORCH_NAMES = {
     "flash_dmattn_func": "interface",
+    "flash_dmattn_varlen_func": "varlen",
     "attention_reference": "reference",
     "topk_indices": "masks",
     "topk_mask": "masks",
