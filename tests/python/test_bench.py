@@ -398,3 +398,25 @@ def test_rotation_and_median_timing(monkeypatch):
                             settings=settings)
     assert result.reps == 4 and result.peak_bytes is None and result.ms >= 0
     assert calls == [0, 1, 0, 1, 2, 0]   # warm-up, then the timed calls, rotating over the copies
+
+
+def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import flash_dmattn.interface as interface
+    from flash_dmattn.bench.impls import IMPLEMENTATIONS, OursGather
+    from flash_dmattn.bench.problem import make_problem
+    gather = IMPLEMENTATIONS["ours_gather"]
+    assert isinstance(gather, OursGather) and "CUDA" in gather.unavailable(torch.device("cpu"))
+    case = suites.Case("t", 1, 2, 1, 8, 8, 16, True, "window", 3)
+    assert gather.unsupported(suites.Case("t", 1, 2, 1, 8, 8, 16, True, "none"), torch.device("cpu"))
+    assert gather.unsupported(case, torch.device("cpu")) is None
+    # What the library would read while ours runs, and after.
+    seen = []
+    real = interface.flash_dmattn_func
+    monkeypatch.setattr(interface, "flash_dmattn_func",
+                        lambda *a, **k: seen.append(os.environ.get("FLASH_DMATTN_SPARSE_PATH")) or real(*a, **k))
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    runner = gather.runner(make_problem(case, torch.bfloat16, torch.device("cpu")), grad=False)
+    assert "forward: gather path" in runner.notes
+    runner.call(*runner.inputs)
+    assert seen == ["gather"] and "FLASH_DMATTN_SPARSE_PATH" not in os.environ

@@ -4,6 +4,8 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
 
 - ours: flash_dmattn_func with the bool mask and the (B, Hk, 1, Sk) bias; the bias gradient
   comes from bias.requires_grad.
+- ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: the forward
+  over per-tile key lists (CUDA, masked cases; the backward keeps the tile path).
 - sdpa_efficient: SDPA's memory-efficient backend with mask and bias folded into one float mask
   bias + where(mask, 0, -inf) of shape (B, H, Sq, Sk) (what a user without this library does).
   That float mask requires grad in the backward; its (B, H, Sq, Sk) gradient, reduced to
@@ -19,6 +21,7 @@ GQA: SDPA backends get enable_gqa=True where they accept it, else K and V repeat
 head by repeat_interleave inside the timed call (each row's notes say which); ours and
 FlexAttention (enable_gqa) take the KV heads as they are.
 """
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -139,6 +142,39 @@ class Ours(Implementation):
 
         return Runner(("q", "k", "v", "bias", "mask"), [q, k, v, bias, mask], call, problem.dout,
                       lambda name, t: t)
+
+
+class OursGather(Ours):
+    name = "ours_gather"
+    _VARIABLE = "FLASH_DMATTN_SPARSE_PATH"
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return "the gather path is a CUDA path (the CPU backend has one way only)"
+        return super().unavailable(device)
+
+    def unsupported(self, case, device):
+        return "the gather path needs a mask" if case.mask == "none" else None
+
+    def runner(self, problem, grad):
+        runner = super().runner(problem, grad)
+        tile_call = runner.call
+
+        def call(*inputs):
+            # Read by the library on every call; set only around ours so that no other row sees it.
+            previous = os.environ.get(self._VARIABLE)
+            os.environ[self._VARIABLE] = "gather"
+            try:
+                return tile_call(*inputs)
+            finally:
+                if previous is None:
+                    del os.environ[self._VARIABLE]
+                else:
+                    os.environ[self._VARIABLE] = previous
+
+        runner.call = call
+        runner.notes.append("forward: gather path")
+        return runner
 
 
 class _Sdpa(Implementation):
@@ -368,4 +404,4 @@ class Flex(Implementation):
         return runner
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursGather(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}
