@@ -17,6 +17,7 @@ __version__ = version()
 _TORCH_NAMES = {
     "flash_dmattn_func": "interface",
     "flash_dmattn_varlen_func": "varlen",
+    "flash_dmattn_with_kvcache": "kvcache",
     "attention_reference": "reference",
     "topk_indices": "masks",
     "topk_mask": "masks",

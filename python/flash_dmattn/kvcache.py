@@ -1,0 +1,87 @@
+"""flash_dmattn_with_kvcache: decode and chunked prefill against a KV cache, paged or not, with mask and bias.
+
+The call serving engines make: the newest Sq tokens of every sequence attend to that sequence's
+cached keys, which are addressed through a block table (vLLM's and FlashInfer's paged layout) or
+lie contiguously. The mask and bias address logical key positions (docs/semantics.md §12).
+
+This first version gathers each sequence's pages into a contiguous (B, K, Hk, D) copy and runs the
+dense kernels with the lengths and the causal limit as a mask; kernels that read the pages through
+the block table are to replace it behind the same call.
+"""
+import torch
+
+from .interface import flash_dmattn_func
+
+
+def _fail(error, argument: str, message: str):
+    raise error(f"flash_dmattn_with_kvcache: argument '{argument}': {message}")
+
+
+def _logical_keys(cache: torch.Tensor, block_table, batch: int) -> torch.Tensor:
+    """(B, K, Hk, D): the cache as each sequence sees it, K = max_pages x page_size when paged."""
+    if block_table is None:
+        return cache
+    pages = block_table.long().clamp(0, cache.size(0) - 1)  # entries past a sequence's pages: any page
+    return cache[pages].reshape(batch, -1, *cache.shape[2:])
+
+
+def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_table=None, attn_mask=None,
+                              attn_bias=None, softmax_scale=None, is_causal=None, softcap=None,
+                              return_attn_probs=None):
+    """Attention of the newest queries of each sequence over its cached keys.
+
+    Args:
+        query: (B, Sq, H, D), float16 or bfloat16: the last Sq tokens of each sequence, whose keys
+            and values are already in the cache.
+        k_cache, v_cache: (num_pages, page_size, Hk, D) with `block_table`, or (B, K, Hk, D)
+            without; query's dtype.
+        cache_seqlens: int (B,): sequence b's keys are its logical positions [0, cache_seqlens[b]).
+        block_table: optional int32 or int64 (B, max_pages): page p of sequence b (its keys
+            p x page_size to (p + 1) x page_size - 1) is k_cache[block_table[b, p]]. Entries past a
+            sequence's last page are not read.
+        attn_mask, attn_bias: optional, (B|1, H|Hk|1, Sq|1, K|1) over logical key positions, with
+            K = max_pages x page_size (or the contiguous cache's K); positions at or past a
+            sequence's length are not read.
+        is_causal: query i of sequence b is token cache_seqlens[b] - Sq + i and sees the keys up to
+            it (bottom-right alignment per sequence); without it every query sees every cached key.
+        softmax_scale, softcap: as in flash_dmattn_func.
+        return_attn_probs: True returns (out, lse, None) with lse (B, H, Sq) float32.
+
+    Returns:
+        out (B, Sq, H, D), or the tuple above.
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        _fail(ValueError, "query", "expected a 4-dim tensor (B, Sq, H, D)")
+    batch, seqlen_q = query.shape[:2]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            _fail(ValueError, name, "expected (num_pages, page_size, Hk, D) with block_table, or (B, K, Hk, D)")
+    if v_cache.shape != k_cache.shape:
+        _fail(ValueError, "v_cache", f"expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if block_table is not None and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or
+                                    block_table.size(0) != batch or
+                                    block_table.dtype not in (torch.int32, torch.int64)):
+        _fail(ValueError, "block_table", f"expected an int32 or int64 (B={batch}, max_pages) tensor, got "
+                                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    if block_table is None and k_cache.size(0) != batch:
+        _fail(ValueError, "k_cache", f"expected (B={batch}, K, Hk, D) without a block_table, got {tuple(k_cache.shape)}")
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,) or \
+            cache_seqlens.dtype not in (torch.int32, torch.int64):
+        _fail(ValueError, "cache_seqlens", f"expected an int32 or int64 tensor of shape ({batch},), got "
+                                           f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
+    k = _logical_keys(k_cache, block_table, batch)
+    v = _logical_keys(v_cache, block_table, batch)
+    keys = k.size(1)
+    if not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if bool(((cache_seqlens < 0) | (cache_seqlens > keys)).any()):
+            _fail(ValueError, "cache_seqlens", f"expected lengths in [0, {keys}] (the cache's logical keys), got "
+                                               f"{cache_seqlens.tolist()}")
+    lengths = cache_seqlens.to(device=query.device, dtype=torch.long).view(batch, 1, 1, 1)
+    positions = torch.arange(keys, device=query.device).view(1, 1, 1, keys)
+    visible = positions < lengths  # (B, 1, 1, K)
+    if is_causal:
+        rows = torch.arange(seqlen_q, device=query.device).view(1, 1, seqlen_q, 1)
+        visible = visible & (positions <= lengths - seqlen_q + rows)  # (B, 1, Sq, K)
+    mask = visible if attn_mask is None else attn_mask & visible
+    return flash_dmattn_func(query, k, v, attn_mask=mask, attn_bias=attn_bias, softmax_scale=softmax_scale,
+                             is_causal=False, softcap=softcap, return_attn_probs=return_attn_probs)

@@ -1,0 +1,66 @@
+"""flash_dmattn_with_kvcache against flash_dmattn_func on each sequence's contiguous keys."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flash_dmattn import flash_dmattn_func  # noqa: E402
+from flash_dmattn.kvcache import flash_dmattn_with_kvcache  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_cache_calls_match_each_sequence_alone(device, paged, is_causal, seqlen_q):
+    generator = torch.Generator().manual_seed(11)
+    B, H, Hk, D, page = 4, 4, 2, 32, 16
+    lengths = [37, 3, 16, 64]
+    max_pages = 5  # 80 logical keys: the longest sequence leaves one page unused
+    dtype = torch.bfloat16
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dt)
+
+    q = randn(B, seqlen_q, H, D)
+    keys = max_pages * page
+    k_logical, v_logical = randn(B, keys, Hk, D), randn(B, keys, Hk, D)
+    mask = (torch.rand(B, Hk, seqlen_q, keys, generator=generator) < 0.8).to(device)
+    bias = randn(B, 1, 1, keys)
+    if paged:
+        # Pages in a shuffled pool with spares; unused table entries point anywhere (-1 here).
+        pool = B * max_pages + 3
+        order = torch.randperm(pool, generator=generator)[:B * max_pages].view(B, max_pages)
+        k_cache, v_cache = randn(pool, page, Hk, D), randn(pool, page, Hk, D)
+        for b in range(B):
+            for p in range(max_pages):
+                k_cache[order[b, p]] = k_logical[b, p * page:(p + 1) * page]
+                v_cache[order[b, p]] = v_logical[b, p * page:(p + 1) * page]
+        block_table = order.to(device=device, dtype=torch.int32)
+        for b, n in enumerate(lengths):
+            block_table[b, (n + page - 1) // page:] = -1
+    else:
+        k_cache, v_cache, block_table = k_logical, v_logical, None
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out, lse, _ = flash_dmattn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, attn_mask=mask,
+                                            attn_bias=bias, is_causal=is_causal, return_attn_probs=True)
+    for b, n in enumerate(lengths):
+        expected, expected_lse, _ = flash_dmattn_func(q[b:b + 1], k_logical[b:b + 1, :n], v_logical[b:b + 1, :n],
+                                                      attn_mask=mask[b:b + 1, ..., :n], attn_bias=bias[b:b + 1, ..., :n],
+                                                      is_causal=is_causal, return_attn_probs=True)
+        tolerance = dict(atol=0, rtol=0) if device == "cpu" else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out[b:b + 1], expected, **tolerance)
+        torch.testing.assert_close(lse[b:b + 1], expected_lse, **tolerance)
+
+
+def test_bad_arguments_are_named():
+    q = torch.zeros(2, 1, 2, 8, dtype=torch.float16)
+    cache = torch.zeros(6, 16, 2, 8, dtype=torch.float16)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens.*lengths in \\[0, 48\\]"):
+        flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 49], dtype=torch.int32), table)
+    with pytest.raises(ValueError, match="block_table.*\\(B=2, max_pages\\)"):
+        flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32), table[:1])
+    with pytest.raises(ValueError, match="k_cache.*without a block_table"):
+        flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32))
