@@ -228,6 +228,6 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
                 listed = listed.repeat_interleave(group, dim=1)
         attn_mask = listed if attn_mask is None else attn_mask & listed
     attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
-    out, lse = torch_ops.forward(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
-                                 bool(deterministic))
+    out, lse = torch_ops.attention(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
+                                   bool(deterministic))
     return (out, lse, None) if return_attn_probs else out

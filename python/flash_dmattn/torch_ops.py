@@ -3,6 +3,9 @@
 Each op has a real implementation (the compiled module, on the tensors' device), a fake one (shapes
 and dtypes only, for torch.compile and meta tensors) and, for the forward, an autograd formula that
 calls the backward op. torch.compile sees two opaque ops and traces through without a graph break.
+Eager calls on plain tensors take `attention` instead: an autograd.Function around the same
+implementations, which skips the custom-op dispatch (measured on a 2-core CPU, a decode-sized call's
+host time with gradients: 352 us through the op, 137 us through the Function).
 
 The real implementations launch on torch.cuda.current_stream(), take scratch memory from torch's
 caching allocator and never synchronize, so they can be captured in a CUDA graph. They expect the
@@ -78,8 +81,7 @@ def _unpadded(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t if t.size(-1) == head_dim else t[..., :head_dim].contiguous()
 
 
-@torch.library.custom_op("flash_dmattn::forward", mutates_args=())
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, softcap: float,
             deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward: setup_context sees the forward's inputs alone.
@@ -95,14 +97,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     return _unpadded(out, head_dim), lse
 
 
+forward = torch.library.custom_op("flash_dmattn::forward", _forward, mutates_args=())
+
+
 @forward.register_fake
 def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_dmattn::backward", mutates_args=())
-def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float],
              causal: bool, softcap: float, deterministic: bool,
              bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,6 +126,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
 
 
+backward = torch.library.custom_op("flash_dmattn::backward", _backward_impl, mutates_args=())
+
+
 @backward.register_fake
 def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, bias_grad):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
@@ -137,13 +144,48 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _gradients(ctx, dout, run_backward):
     q, k, v, mask, bias, out, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
-    dq, dk, dv, dbias = backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, bias_grad)
+    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, bias_grad)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
             dbias if bias_grad else None, None, None, None, None)
 
 
+def _backward(ctx, dout, _dlse):
+    return _gradients(ctx, dout, backward)
+
+
 forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The forward op's autograd without the custom-op dispatch (the same implementations)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return _gradients(ctx, dout, _backward_impl)
+
+
+def _plain_eager(tensors) -> bool:
+    """Whether a call may skip the custom op: outside torch.compile, with plain tensors (no fake or
+    other subclasses), and no dispatch mode or torch.func transform active, which the op serves."""
+    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors if t is not None):
+        return False
+    try:
+        return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+    except AttributeError:  # a torch without these hooks: the op serves every case
+        return False
+
+
+def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
+    """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch."""
+    inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic)
+    return _EagerAttention.apply(*inputs) if _plain_eager((q, k, v, mask, bias)) else forward(*inputs)

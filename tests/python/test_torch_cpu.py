@@ -220,3 +220,14 @@ def test_compile_fullgraph_traces_forward_and_backward():
         results.append((out, *torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_eager_calls_skip_the_custom_op_and_fake_tensors_take_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
+    assert torch_ops._plain_eager((q, q, q, None, None))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        assert not torch_ops._plain_eager((fake, fake, fake, None, None))
+        out, lse = torch_ops.attention(fake, fake, fake, None, None, None, False, 0.0, False)
+        assert out.shape == q.shape and lse.shape == (1, 2, 4)
