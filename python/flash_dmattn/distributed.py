@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_ops
-from .interface import _autocast, _check_options, _kernel_operands
+from .interface import _autocast, _check_operands, _check_options, _kernel_operands
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -255,6 +255,17 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
     world_size = dist.get_world_size(group)
     _check(query, key, value, attn_mask, attn_bias, world_size)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
+    # Dtypes, devices and head counts as flash_dmattn_func checks them; mask and bias shapes differ
+    # here (every key's column) and were checked above.
+    _check_operands(query, key, value, None, None, None)
+    for name, t, dtypes in (("attn_mask", attn_mask, (torch.bool,)),
+                            ("attn_bias", attn_bias, (query.dtype, torch.float32))):
+        if t is not None and t.dtype not in dtypes:
+            _fail(TypeError, name, f"expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        if t is not None and t.device != query.device:
+            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+    # K and V are sent as they are: the ring's transfers need them contiguous.
+    key, value = key.contiguous(), value.contiguous()
     softmax_scale = None if softmax_scale is None else float(softmax_scale)
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)

@@ -17,12 +17,26 @@ def _fail(error, argument: str, message: str):
     raise error(f"flash_dmattn_with_kvcache: argument '{argument}': {message}")
 
 
-def _logical_keys(cache: torch.Tensor, block_table, batch: int) -> torch.Tensor:
+def _pages(block_table, cache_seqlens, page_size: int, num_pages: int, check: bool) -> torch.Tensor:
+    """The block table as page indices: entries past a sequence's last page (any value) read page 0,
+    and, where `check`, an entry a sequence reads that is not a page raises."""
+    pages = block_table.long()
+    used = torch.arange(pages.size(1), device=pages.device)[None, :] * page_size < \
+        cache_seqlens.to(device=pages.device, dtype=torch.long)[:, None]
+    if check:
+        bad = used & ((pages < 0) | (pages >= num_pages))
+        if bool(bad.any()):
+            b, p = (int(i) for i in bad.nonzero()[0])
+            _fail(ValueError, "block_table", f"expected page indices in [0, {num_pages}) where a sequence reads "
+                                             f"them, got {int(pages[b, p])} at ({b}, {p})")
+    return torch.where(used, pages, 0)
+
+
+def _logical_keys(cache: torch.Tensor, pages, batch: int) -> torch.Tensor:
     """(B, K, Hk, D): the cache as each sequence sees it, K = max_pages x page_size when paged."""
-    if block_table is None:
+    if pages is None:
         return cache
-    pages = block_table.long().clamp(0, cache.size(0) - 1)  # entries past a sequence's pages: any page
-    return cache[pages].reshape(batch, -1, *cache.shape[2:])
+    return cache[pages].reshape(batch, pages.size(1) * cache.size(1), *cache.shape[2:])
 
 
 def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_table=None, attn_mask=None,
@@ -69,13 +83,18 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
             cache_seqlens.dtype not in (torch.int32, torch.int64):
         _fail(ValueError, "cache_seqlens", f"expected an int32 or int64 tensor of shape ({batch},), got "
                                            f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
-    k = _logical_keys(k_cache, block_table, batch)
-    v = _logical_keys(v_cache, block_table, batch)
-    keys = k.size(1)
-    if not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    keys = block_table.size(1) * k_cache.size(1) if block_table is not None else k_cache.size(1)
+    # Reading the values synchronizes with the GPU: not while torch.compile traces or a CUDA graph
+    # is captured.
+    check = not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and
+                                                        torch.cuda.is_current_stream_capturing())
+    if check:
         if bool(((cache_seqlens < 0) | (cache_seqlens > keys)).any()):
             _fail(ValueError, "cache_seqlens", f"expected lengths in [0, {keys}] (the cache's logical keys), got "
                                                f"{cache_seqlens.tolist()}")
+    pages = None if block_table is None else _pages(block_table, cache_seqlens, k_cache.size(1), k_cache.size(0), check)
+    k = _logical_keys(k_cache, pages, batch)
+    v = _logical_keys(v_cache, pages, batch)
     lengths = cache_seqlens.to(device=query.device, dtype=torch.long).view(batch, 1, 1, 1)
     positions = torch.arange(keys, device=query.device).view(1, 1, 1, keys)
     visible = positions < lengths  # (B, 1, 1, K)

@@ -192,9 +192,11 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
-  // The gather path needs keys to choose: a mask with a key dim. Its lists are per query tile of
-  // one mask head, so it neither packs GQA heads nor splits the keys.
-  if (a.mask && a.mask->shape[3] != 1 && gather_requested()) {
+  // The gather path needs keys to choose and rows that choose them: a mask with a key dim and a
+  // row per query. (A mask with one row for every query would give every query tile the same
+  // list, yet each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.) Its lists are per query
+  // tile of one mask head, so it neither packs GQA heads nor splits the keys.
+  if (a.mask && a.mask->shape[3] != 1 && a.mask->shape[2] != 1 && gather_requested()) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     kernels::KeyListExtent& e = plan.lists;

@@ -64,3 +64,15 @@ def test_bad_arguments_are_named():
         flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32), table[:1])
     with pytest.raises(ValueError, match="k_cache.*without a block_table"):
         flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32))
+
+
+def test_a_page_a_sequence_reads_must_exist_and_an_empty_batch_runs():
+    q = torch.zeros(2, 1, 2, 8, dtype=torch.float16)
+    cache = torch.zeros(4, 16, 2, 8, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)  # sequence 1 reads page 9 only if longer than 16
+    lengths = torch.tensor([20, 16], dtype=torch.int32)
+    assert flash_dmattn_with_kvcache(q, cache, cache, lengths, table).shape == q.shape
+    with pytest.raises(ValueError, match="block_table.*\\[0, 4\\).*got 9 at \\(1, 1\\)"):
+        flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([20, 17], dtype=torch.int32), table)
+    out = flash_dmattn_with_kvcache(q[:0], cache, cache, lengths[:0], table[:0])
+    assert out.shape == (0, 1, 2, 8)
