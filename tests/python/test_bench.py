@@ -276,6 +276,9 @@ def test_plot_needs_a_sweep(tmp_path):
             for x, by_impl in times.items() for impl, ms in by_impl.items()]
     report.add_speedups(rows)
     assert report.plot_speedup(rows, str(tmp_path / "p.png")) is None
+    assert report.plot_times(rows, str(tmp_path / "t.png")) is None and (tmp_path / "t.png").stat().st_size > 0
+    assert report.times_path("r/GPU_X_speedup.png") == "r/GPU_X_times.png"
+    assert report.times_path("plot.svg") == "plot_times.svg"
     assert (tmp_path / "p.png").stat().st_size > 0
 
 

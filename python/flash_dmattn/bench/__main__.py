@@ -92,9 +92,18 @@ def _replot(args) -> int:
     """The plot of a results file's rows, e.g. on a machine with matplotlib after a GPU run without it."""
     device, rows = report.load_rows(args.replot, args.suite)
     path = args.plot or os.path.join(os.path.dirname(args.replot), report.device_file_name(device) + "_speedup.png")
-    why_not = report.plot_speedup(rows, path)
-    print(f"plot: {path}" if why_not is None else f"plot skipped ({why_not})")
+    _plot(rows, path)
     return 0
+
+
+def _plot(rows, path: str) -> None:
+    """The speedup plot at `path` and the time plot beside it (report.times_path)."""
+    for plot, where in ((report.plot_speedup, path), (report.plot_times, report.times_path(path))):
+        try:
+            why_not = plot(rows, where)
+        except Exception as error:  # a plotting problem must not cost the run's other results
+            why_not = f"{type(error).__name__}: {error}"
+        print(f"plot: {where}" if why_not is None else f"plot skipped ({why_not})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -177,11 +186,7 @@ def _save(args, argv: List[str], device, device_name: str, rows_by_suite: dict, 
         print(f"results merged into {written} (key '{report.JSON_KEY}')")
     plot_path = args.plot or (stem + "_speedup.png" if on_gpu else None)
     if plot_path and not args.no_plot:
-        try:
-            why_not = report.plot_speedup(all_rows, plot_path)
-        except Exception as error:  # a plotting problem must not cost the run's other results
-            why_not = f"{type(error).__name__}: {error}"
-        print(f"plot: {plot_path}" if why_not is None else f"plot skipped ({why_not})")
+        _plot(all_rows, plot_path)
 
 
 if __name__ == "__main__":

@@ -139,9 +139,31 @@ def plot_speedup(rows: List[dict], path: str) -> Optional[str]:
     """Writes the speedup of ours over each other implementation (its total ms / ours), against
     the x of every sweep (sequence length, window) and per mode. Returns why nothing was
     written, or None."""
-    groups = group_by_sweep([r for r in rows if r.get("vs_ours") and r["impl"] != "ours"])
+    return _plot_sweeps([r for r in rows if r.get("vs_ours") and r["impl"] != "ours"], path, "vs_ours",
+                        "speedup of ours (x)", 1.0, "no sweep with timings of ours and another implementation")
+
+
+def plot_times(rows: List[dict], path: str) -> Optional[str]:
+    """Writes every implementation's total ms (ours and ours_gather included) against the x of
+    every sweep and per mode: how each one's time grows with the window or length. Returns why
+    nothing was written, or None."""
+    return _plot_sweeps([r for r in rows if r.get("total_ms")], path, "total_ms", "total ms", None,
+                        "no sweep with timings")
+
+
+def times_path(speedup_path: str) -> str:
+    """The time plot's path beside a speedup plot's: <device>_times.png for <device>_speedup.png."""
+    stem, extension = os.path.splitext(speedup_path)
+    stem = stem[:-len("_speedup")] if stem.endswith("_speedup") else stem
+    return stem + "_times" + (extension or ".png")
+
+
+def _plot_sweeps(rows: List[dict], path: str, value: str, ylabel: str, reference: Optional[float],
+                 empty: str) -> Optional[str]:
+    """A panel per sweep and mode: rows[value] against x, a line per implementation, log axes."""
+    groups = group_by_sweep(rows)
     if not groups:
-        return "no sweep with timings of ours and another implementation"
+        return empty
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -157,15 +179,16 @@ def plot_speedup(rows: List[dict], path: str) -> Optional[str]:
                 if r["mode"] == mode:
                     # Lines per implementation, and per mask kind where a sweep has several (decode).
                     label = r["impl"] if len({g["mask"] for g in group}) == 1 else f"{r['impl']} ({r['mask']})"
-                    lines.setdefault(label, []).append((r["x"], r["vs_ours"]))
+                    lines.setdefault(label, []).append((r["x"], r[value]))
             for label, points in sorted(lines.items()):
                 points.sort()
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-            ax.axhline(1.0, color="gray", linewidth=0.8)
+            if reference is not None:
+                ax.axhline(reference, color="gray", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{title} ({mode})", fontsize=9)
-            ax.set_ylabel("speedup of ours (x)")
+            ax.set_ylabel(ylabel)
             ax.set_xlabel(group[0]["sweep"].split(",")[0])
             if lines:
                 ax.legend(fontsize=7)
