@@ -17,19 +17,13 @@ def _fail(error, argument: str, message: str):
     raise error(f"flash_dmattn_with_kvcache: argument '{argument}': {message}")
 
 
-def _pages(block_table, cache_seqlens, page_size: int, num_pages: int, check: bool) -> torch.Tensor:
-    """The block table as page indices: entries past a sequence's last page (any value) read page 0,
-    and, where `check`, an entry a sequence reads that is not a page raises."""
+def _pages(block_table, cache_seqlens, page_size: int, num_pages: int):
+    """(page indices, where a sequence reads an entry that is no page): entries past a sequence's last
+    page (any value) read page 0."""
     pages = block_table.long()
     used = torch.arange(pages.size(1), device=pages.device)[None, :] * page_size < \
         cache_seqlens.to(device=pages.device, dtype=torch.long)[:, None]
-    if check:
-        bad = used & ((pages < 0) | (pages >= num_pages))
-        if bool(bad.any()):
-            b, p = (int(i) for i in bad.nonzero()[0])
-            _fail(ValueError, "block_table", f"expected page indices in [0, {num_pages}) where a sequence reads "
-                                             f"them, got {int(pages[b, p])} at ({b}, {p})")
-    return torch.where(used, pages, 0)
+    return torch.where(used, pages, 0), used & ((pages < 0) | (pages >= num_pages))
 
 
 def _logical_keys(cache: torch.Tensor, pages, batch: int) -> torch.Tensor:
@@ -88,11 +82,21 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
     # is captured.
     check = not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and
                                                         torch.cuda.is_current_stream_capturing())
-    if check:
-        if bool(((cache_seqlens < 0) | (cache_seqlens > keys)).any()):
+    pages = bad_pages = None
+    if block_table is not None:
+        pages, bad_pages = _pages(block_table, cache_seqlens, k_cache.size(1), k_cache.size(0))
+    if check:  # one read of the GPU for both checks
+        flags = [((cache_seqlens < 0) | (cache_seqlens > keys)).any()]
+        if bad_pages is not None:
+            flags.append(bad_pages.any().to(flags[0].device))
+        flags = torch.stack(flags).tolist()
+        if flags[0]:
             _fail(ValueError, "cache_seqlens", f"expected lengths in [0, {keys}] (the cache's logical keys), got "
                                                f"{cache_seqlens.tolist()}")
-    pages = None if block_table is None else _pages(block_table, cache_seqlens, k_cache.size(1), k_cache.size(0), check)
+        if len(flags) > 1 and flags[1]:
+            b, p = (int(i) for i in bad_pages.nonzero()[0])
+            _fail(ValueError, "block_table", f"expected page indices in [0, {k_cache.size(0)}) where a sequence "
+                                             f"reads them, got {int(block_table[b, p])} at ({b}, {p})")
     k = _logical_keys(k_cache, pages, batch)
     v = _logical_keys(v_cache, pages, batch)
     lengths = cache_seqlens.to(device=query.device, dtype=torch.long).view(batch, 1, 1, 1)

@@ -19,22 +19,38 @@ def _fail_varlen(error, argument: str, message: str):
     raise error(f"flash_dmattn_varlen_func: argument '{argument}': {message}")
 
 
-def _lengths(cu_seqlens, name: str, total: int, max_seqlen: int) -> torch.Tensor:
+def _lengths(cu_seqlens, name: str) -> torch.Tensor:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         _fail_varlen(ValueError, name, "expected a 1-dim tensor of B + 1 offsets (0, len_0, len_0 + len_1, ...)")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         _fail_varlen(TypeError, name, f"expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    # Reading the values synchronizes with the GPU: not while torch.compile traces or a CUDA graph
-    # is captured.
-    if not torch.compiler.is_compiling() and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def _offset_problems(cu_seqlens, lengths, total: int, max_seqlen: int) -> torch.Tensor:
+    """A 0-dim bool tensor: whether the offsets do not rise from 0 to `total` or a length passes max_seqlen."""
+    bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != total)
+    if lengths.numel():
+        bad = bad | (lengths < 0).any() | (lengths.max() > max_seqlen)
+    return bad
+
+
+def _check_offsets(checks) -> None:
+    """checks: (name, cu_seqlens, lengths, total, max_seqlen) per offset list. Reading values
+    synchronizes with the GPU: one read for all of them, none while torch.compile traces or a CUDA
+    graph is captured; the message is made only when one fails."""
+    if torch.compiler.is_compiling() or any(c[1].is_cuda and torch.cuda.is_current_stream_capturing() for c in checks):
+        return
+    device = checks[0][1].device
+    flags = torch.stack([_offset_problems(*c[1:]).to(device) for c in checks]).cpu()
+    for (name, cu_seqlens, lengths, total, max_seqlen), bad in zip(checks, flags.tolist()):
+        if not bad:
+            continue
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((lengths < 0).any()):
             _fail_varlen(ValueError, name, f"expected offsets from 0 rising to the {total} packed tokens, got "
                                            f"{cu_seqlens.tolist()}")
-        if lengths.numel() and int(lengths.max()) > max_seqlen:
-            _fail_varlen(ValueError, name, f"a sequence of {int(lengths.max())} tokens is longer than its "
-                                           f"max_seqlen {max_seqlen}")
-    return lengths
+        _fail_varlen(ValueError, name, f"a sequence of {int(lengths.max())} tokens is longer than its "
+                                       f"max_seqlen {max_seqlen}")
 
 
 def _front_padding(lengths: torch.Tensor, width: int, total: int):
@@ -92,8 +108,10 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
                                                  f"{cu_seqlens_k.numel()}")
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     total_q, total_k = query.shape[0], key.shape[0]
-    lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
-    lengths_k = _lengths(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
+    lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q")
+    lengths_k = _lengths(cu_seqlens_k, "cu_seqlens_k")
+    _check_offsets([("cu_seqlens_q", cu_seqlens_q, lengths_q, total_q, max_seqlen_q),
+                    ("cu_seqlens_k", cu_seqlens_k, lengths_k, total_k, max_seqlen_k)])
     batch = lengths_q.numel()
     rows_q, front_q = _front_padding(lengths_q.to(query.device), max_seqlen_q, total_q)
     rows_k, front_k = _front_padding(lengths_k.to(query.device), max_seqlen_k, total_k)
