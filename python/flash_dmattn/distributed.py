@@ -134,6 +134,18 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
     lse[:, :, rows] = new
 
 
+def _steps_with_keys(mask, ring: _Ring, chunk: int, causal: bool):
+    """Whether each ring step's block has a key its rows keep, from this rank's mask rows: a block
+    with none is not computed (its K and V still travel on). One read of the device for all steps;
+    every step counts as visible without a mask, while torch.compile traces or a CUDA graph is
+    captured."""
+    steps = [_Step(ring.rank, (ring.rank - s) % ring.world_size, ring.world_size, chunk, causal)
+             for s in range(ring.world_size)]
+    if mask is None or torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return [True] * len(steps)
+    return torch.stack([_block_operand(mask, step, chunk).any() for step in steps]).tolist()
+
+
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
@@ -143,14 +155,16 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.size(0), q.size(2), q.size(1)), -math.inf, dtype=torch.float32, device=q.device)
         kv = (k, v)
+        computed = _steps_with_keys(mask, ring, chunk, causal)
         for s in range(ring.world_size):
             src = (ring.rank - s) % ring.world_size
             handle, incoming = ring.start(kv) if s + 1 < ring.world_size else (None, None)
             step = _Step(ring.rank, src, ring.world_size, chunk, causal)
-            block_out, block_lse = torch_ops.forward(
-                q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys], _block_operand(mask, step, chunk),
-                _block_operand(bias, step, chunk), softmax_scale, step.causal, softcap, deterministic)
-            _merge(out, lse, block_out, block_lse, step.rows)
+            if computed[s]:
+                block_out, block_lse = torch_ops.forward(
+                    q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys], _block_operand(mask, step, chunk),
+                    _block_operand(bias, step, chunk), softmax_scale, step.causal, softcap, deterministic)
+                _merge(out, lse, block_out, block_lse, step.rows)
             if handle is not None:
                 _Ring.wait(handle)
                 kv = tuple(incoming)
@@ -158,6 +172,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, bias, out, lse)
         ctx.options = (softmax_scale, causal, softcap, deterministic, group)
+        ctx.computed = computed
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -178,21 +193,22 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - s) % ring.world_size
             kv_handle, incoming = ring.start(kv) if s + 1 < ring.world_size else (None, None)
             step = _Step(ring.rank, src, ring.world_size, chunk, causal)
-            block_bias = _block_operand(bias, step, chunk)
-            dq_block, dk_block, dv_block, dbias_block = torch_ops.backward(
-                dout[:, step.rows], q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys],
-                _block_operand(mask, step, chunk), block_bias, out[:, step.rows], lse[:, :, step.rows],
-                softmax_scale, step.causal, softcap, deterministic, bias_grad)
-            dq[:, step.rows] += dq_block.float()
-            if bias_grad:
-                _add_block_operand(dbias, dbias_block.float(), step, chunk)
+            if ctx.computed[s]:
+                dq_block, dk_block, dv_block, dbias_block = torch_ops.backward(
+                    dout[:, step.rows], q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys],
+                    _block_operand(mask, step, chunk), _block_operand(bias, step, chunk), out[:, step.rows],
+                    lse[:, :, step.rows], softmax_scale, step.causal, softcap, deterministic, bias_grad)
+                dq[:, step.rows] += dq_block.float()
+                if bias_grad:
+                    _add_block_operand(dbias, dbias_block.float(), step, chunk)
             if grad_handle is None:
                 dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
             else:
                 _Ring.wait(grad_handle)
                 dkv = received
-            dkv[0][:, step.keys] += dk_block.float()
-            dkv[1][:, step.keys] += dv_block.float()
+            if ctx.computed[s]:
+                dkv[0][:, step.keys] += dk_block.float()
+                dkv[1][:, step.keys] += dv_block.float()
             # On to the rank that visits these keys next; after the last step that is their owner.
             if ring.world_size > 1:
                 grad_handle, received = ring.start(dkv)

@@ -26,6 +26,9 @@ CASES = [
     (2, 24, 4, 1, 32, "111S", "11S1", True, 5.0),
     (1, 24, 2, 2, 8, None, "BH1S", True, 0.0),
     (1, 16, 4, 2, 16, "BHSS", None, False, 0.0),
+    # Each row keeps the keys (i - 2, i]: on 4 ranks most blocks hold no kept key and are not
+    # computed, while their K and V still travel on.
+    (1, 24, 2, 1, 16, "band", "BH1S", True, 0.0),
 ]
 
 
@@ -52,9 +55,13 @@ def _worker(rank, world_size, init_file, use_cuda, world_cases):
     try:
         for index, (batch, seqlen, heads, kv_heads, head_dim, mask_code, bias_code, causal, softcap) in \
                 enumerate(world_cases):
+            band = mask_code == "band"
             case = make_case(batch, seqlen, seqlen, heads, kv_heads, head_dim, dtype=torch.float16, device=device,
-                             mask_shape=_shape(mask_code, batch, heads, kv_heads, seqlen),
+                             mask_shape=None if band else _shape(mask_code, batch, heads, kv_heads, seqlen),
                              bias_shape=_shape(bias_code, batch, heads, kv_heads, seqlen), keep=0.6, seed=index)
+            if band:
+                offsets = torch.arange(seqlen)[None, :] - torch.arange(seqlen)[:, None]
+                case["mask"] = ((offsets <= 0) & (offsets > -2)).view(1, 1, seqlen, seqlen).to(device)
             dout = torch.randn(batch, seqlen, heads, head_dim, generator=torch.Generator().manual_seed(100 + index))
             dout = dout.to(device=device, dtype=torch.float16)
             options = dict(is_causal=causal, softcap=softcap)
