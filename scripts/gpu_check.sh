@@ -13,6 +13,8 @@
 # time, all in deterministic mode (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER
 # narrows them). Every sm_80+ GPU runs the suite once more with FLASH_DMATTN_SPARSE_PATH=gather
 # (GPU_GATHER_FILTER narrows it).
+# GATHER_PROFILE=1 also prints the per-kernel durations of the gather path's forward against the
+# tile path's (ncu) for the scattered-key benchmark workloads.
 # PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
 # (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
 # it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
@@ -117,6 +119,20 @@ if [ -n "${NCU:-}" ]; then
     build-gpu/flash_dmattn_bench_forward --runs 1 --only "${NCU_WORKLOAD:-train_dense_d128}" > "$LOGS/ncu.txt" 2>&1
   grep -E "Duration|Throughput|Registers|Occupancy|Warp Cycles|Stall|Issued|Eligible|Block Limit|Shared Memory|L1/TEX Hit|L2 Hit|Bank" \
     "$LOGS/ncu.txt" | head -60
+fi
+
+if [ -n "${GATHER_PROFILE:-}" ]; then
+  # Where a gather-path forward's time goes (tile summary, key lists, attention) against the tile
+  # path's, per kernel, for the scattered-key workloads (clocks untouched).
+  for workload in seed_scatter1024_d32_s16k train_scatter2048_d128; do
+    for path in tile gather; do
+      echo "--- $workload, FLASH_DMATTN_SPARSE_PATH=$path (kernel durations)"
+      FLASH_DMATTN_SPARSE_PATH=$path timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+        --launch-skip 6 --launch-count 6 build-gpu/flash_dmattn_bench_forward --forward-only --runs 1 \
+        --only "$workload" 2>&1 | grep -E "^  [A-Za-z_]|gpu__time_duration" | sed -E 's/\(.*//' | cut -c1-100
+    done
+  done | tee "$LOGS/gather_profile.txt"
+  save_logs
 fi
 
 san="skipped"
