@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_ops
-from .interface import _autocast, _check_operands, _check_options, _kernel_operands
+from .interface import _autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -134,13 +134,17 @@ def _merge(out, lse, block_out, block_lse, rows) -> None:
     lse[:, :, rows] = new
 
 
-def _steps_with_keys(mask, ring: _Ring, chunk: int, causal: bool):
-    """Whether each ring step's block has a key its rows keep, from this rank's mask rows: a block
-    with none is not computed (its K and V still travel on). One read of the device for all steps;
+def _ring_steps(ring: _Ring, chunk: int, causal: bool):
+    """This rank's block at every ring step: step s holds the keys of rank - s."""
+    return [_Step(ring.rank, (ring.rank - s) % ring.world_size, ring.world_size, chunk, causal)
+            for s in range(ring.world_size)]
+
+
+def _steps_with_keys(mask, steps, chunk: int):
+    """Whether each step's block has a key its rows keep, from this rank's mask rows: a block with
+    none is not computed (its K and V still travel on). One read of the device for all steps;
     every step counts as visible without a mask, while torch.compile traces or a CUDA graph is
     captured."""
-    steps = [_Step(ring.rank, (ring.rank - s) % ring.world_size, ring.world_size, chunk, causal)
-             for s in range(ring.world_size)]
     if mask is None or torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return [True] * len(steps)
     return torch.stack([_block_operand(mask, step, chunk).any() for step in steps]).tolist()
@@ -155,11 +159,10 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.size(0), q.size(2), q.size(1)), -math.inf, dtype=torch.float32, device=q.device)
         kv = (k, v)
-        computed = _steps_with_keys(mask, ring, chunk, causal)
-        for s in range(ring.world_size):
-            src = (ring.rank - s) % ring.world_size
+        steps = _ring_steps(ring, chunk, causal)
+        computed = _steps_with_keys(mask, steps, chunk)
+        for s, step in enumerate(steps):
             handle, incoming = ring.start(kv) if s + 1 < ring.world_size else (None, None)
-            step = _Step(ring.rank, src, ring.world_size, chunk, causal)
             if computed[s]:
                 block_out, block_lse = torch_ops.forward(
                     q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys], _block_operand(mask, step, chunk),
@@ -171,15 +174,15 @@ class _RingAttention(torch.autograd.Function):
         lse = lse.masked_fill(torch.isneginf(lse), math.inf)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, bias, out, lse)
-        ctx.options = (softmax_scale, causal, softcap, deterministic, group)
-        ctx.computed = computed
+        ctx.options = (softmax_scale, softcap, deterministic, group)  # causal lives in the steps
+        ctx.steps, ctx.computed = steps, computed
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, mask, bias, out, lse = ctx.saved_tensors
-        softmax_scale, causal, softcap, deterministic, group = ctx.options
+        softmax_scale, softcap, deterministic, group = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         ring = _Ring(group)
         chunk = q.size(1) // 2
@@ -189,10 +192,8 @@ class _RingAttention(torch.autograd.Function):
         kv = (k, v)
         dkv = None  # the visiting K and V's gradients so far, from the ranks they visited before
         grad_handle = None
-        for s in range(ring.world_size):
-            src = (ring.rank - s) % ring.world_size
+        for s, step in enumerate(ctx.steps):
             kv_handle, incoming = ring.start(kv) if s + 1 < ring.world_size else (None, None)
-            step = _Step(ring.rank, src, ring.world_size, chunk, causal)
             if ctx.computed[s]:
                 dq_block, dk_block, dv_block, dbias_block = torch_ops.backward(
                     dout[:, step.rows], q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys],
@@ -274,12 +275,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
     # Dtypes, devices and head counts as flash_dmattn_func checks them; mask and bias shapes differ
     # here (every key's column) and were checked above.
     _check_operands(query, key, value, None, None, None)
-    for name, t, dtypes in (("attn_mask", attn_mask, (torch.bool,)),
-                            ("attn_bias", attn_bias, (query.dtype, torch.float32))):
-        if t is not None and t.dtype not in dtypes:
-            _fail(TypeError, name, f"expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-        if t is not None and t.device != query.device:
-            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+    _check_mask_bias_types(query, attn_mask, attn_bias)
     # K and V are sent as they are: the ring's transfers need them contiguous.
     key, value = key.contiguous(), value.contiguous()
     softmax_scale = None if softmax_scale is None else float(softmax_scale)

@@ -66,10 +66,12 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             _fail(TypeError, name, f"expected the dtype of query ({query.dtype}), got {t.dtype}")
-    for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask), ("attn_bias", attn_bias),
-                    ("attn_indices", attn_indices)):
-        if t is not None and t.device != query.device:
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
             _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+    _check_mask_bias_types(query, attn_mask, attn_bias)
+    if attn_indices is not None and attn_indices.device != query.device:
+        _fail(ValueError, "attn_indices", f"expected the device of query ({query.device}), got {attn_indices.device}")
     batch, seqlen_q, heads, head_dim = query.shape
     seqlen_k, kv_heads = key.shape[1], key.shape[2]
     if not 0 < head_dim <= _MAX_HEAD_DIM:
@@ -84,6 +86,13 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None:
             _check_broadcast(name, t, batch, heads, kv_heads, seqlen_q, seqlen_k)
+
+
+def _check_mask_bias_types(query, attn_mask, attn_bias) -> None:
+    """Devices and dtypes of mask and bias (their shapes depend on the call)."""
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None and t.device != query.device:
+            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         _fail(TypeError, "attn_mask", f"expected dtype torch.bool (True keeps a key), got {attn_mask.dtype}")
     if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):

@@ -127,8 +127,8 @@ bool gather_requested(std::string* error = nullptr) {
 }
 
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
-// the GPU (decode), and the workspace layout that follows: [tile summary][partial outputs][partial LSEs].
-// How a forward runs, and its workspace: [tile summary][split partial O][split partial LSE][key lists].
+// the GPU (decode) or the gather path's key lists, and the workspace layout that follows:
+// [tile summary][split partial O][split partial LSE][key lists].
 struct ForwardPlan {
   KernelFamily family = KernelFamily::sm80;
   int pack_group = 1;

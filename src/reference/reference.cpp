@@ -162,10 +162,7 @@ Gradients backward(const Inputs& in, const TensorView& dout, const GivenRows& gi
                                                                    i * given.lse->stride[2])
                                            : std::nan("");
         const bool outer = !std::isnan(given_lse) && static_cast<float>(given_lse) != static_cast<float>(row.lse);
-        auto p_of = [&](std::int64_t j) {
-          if (!outer) return row.p(j);
-          return row.visible[j] && given_lse != kInf ? std::exp(row.z[j] - given_lse) : 0.0;
-        };
+        if (outer) row.lse = given_lse;  // P = exp(z - LSE) from the given statistic from here on
         double d_i = 0.0;
         for (std::int64_t j = 0; j < n.Sk; ++j) {
           dp[j] = 0.0;
@@ -184,7 +181,7 @@ Gradients backward(const Inputs& in, const TensorView& dout, const GivenRows& gi
         double* dq = &g.dq[((b * n.Sq + i) * n.H + h) * n.D];
         for (std::int64_t j = 0; j < n.Sk; ++j) {
           if (!row.visible[j]) continue;
-          const double p = p_of(j);
+          const double p = row.p(j);
           const double dz = p * (dp[j] - d_i);
           double ds = dz * in.scale;
           if (in.softcap > 0.0) {
