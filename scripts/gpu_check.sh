@@ -7,7 +7,8 @@
 # Environment: FLASH_DMATTN_CUDA_ARCHS (default 90-real on a Hopper GPU, else 80-real),
 # CUTLASS_DIR (default .carry/cutlass when present), GTEST_SOURCE_DIR (default .carry/googletest
 # when present), CMAKE_EXTRA (more configure flags), SKIP_TESTS=1, SKIP_BENCH=1, SKIP_SANITIZERS=1,
-# GPU_TEST_FILTER (gtest filter for the GPU suite). On an sm_90 GPU the GPU suite and the
+# GPU_TEST_FILTER (gtest filter for the GPU suite), GPU_SUITES (which runs of the suite: any of
+# "default sm80 gather deterministic", all by default). On an sm_90 GPU the GPU suite and the
 # benchmark run twice: with the default kernels (the sm90a ones where they apply) and with
 # FLASH_DMATTN_KERNELS=sm80 (GPU_SM80_FILTER narrows that run), and the backward tests a third
 # time, all in deterministic mode (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER
@@ -56,11 +57,14 @@ save_logs
 start=$(date +%s)
 gpu_rc=0
 extra_lines=""
+suites=" ${GPU_SUITES:-default sm80 gather deterministic} "
 if [ -z "${SKIP_TESTS:-}" ]; then
-  build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1
-  gpu_rc=$?
-  save_logs
-  if [ "${cc:-80}" -eq 90 ]; then
+  if [[ $suites == *" default "* ]]; then
+    build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" > "$LOGS/gpu_tests.log" 2>&1
+    gpu_rc=$?
+    save_logs
+  fi
+  if [ "${cc:-80}" -eq 90 ] && [[ $suites == *" sm80 "* ]]; then
     FLASH_DMATTN_KERNELS=sm80 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
       --gtest_filter="${GPU_SM80_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_sm80.log" 2>&1 || gpu_rc=1
     extra_lines="GPU tests with FLASH_DMATTN_KERNELS=sm80: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_sm80.log" | tr '\n' ' ')"
@@ -69,15 +73,20 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   fi
   # The whole suite once more with the forward on the gather path (key lists, sm80 kernels); the
   # backward tests check their forward's out and lse too. GPU_GATHER_FILTER narrows it.
-  FLASH_DMATTN_SPARSE_PATH=gather build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="${GPU_GATHER_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_gather.log" 2>&1 || gpu_rc=1
-  extra_lines+=$'\n'"GPU tests with FLASH_DMATTN_SPARSE_PATH=gather: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_gather.log" | tr '\n' ' ')"
-  save_logs
+  if [[ $suites == *" gather "* ]]; then
+    FLASH_DMATTN_SPARSE_PATH=gather build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+      --gtest_filter="${GPU_GATHER_FILTER:-${GPU_TEST_FILTER:-*}}" > "$LOGS/gpu_tests_gather.log" 2>&1 || gpu_rc=1
+    extra_lines+=$'\n'"GPU tests with FLASH_DMATTN_SPARSE_PATH=gather: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_gather.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$LOGS/gpu_tests_gather.log" | head -20
+    save_logs
+  fi
   # Every backward test once more in deterministic mode, whose kernels differ (dq slots per key
   # split; on sm90a at D = 128 a dQ kernel of its own, sm90/tile_size.h has_dq_kernel).
-  FLASH_DMATTN_TEST_DETERMINISTIC=1 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
-    --gtest_filter="${GPU_DETERMINISTIC_FILTER:-*Backward*}" > "$LOGS/gpu_tests_deterministic.log" 2>&1 || gpu_rc=1
-  extra_lines+=$'\n'"backward tests in deterministic mode: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_deterministic.log" | tr '\n' ' ')"
+  if [[ $suites == *" deterministic "* ]]; then
+    FLASH_DMATTN_TEST_DETERMINISTIC=1 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+      --gtest_filter="${GPU_DETERMINISTIC_FILTER:-*Backward*}" > "$LOGS/gpu_tests_deterministic.log" 2>&1 || gpu_rc=1
+    extra_lines+=$'\n'"backward tests in deterministic mode: $(grep -E '^\[  (PASSED|FAILED)  \]|tests ran' "$LOGS/gpu_tests_deterministic.log" | tr '\n' ' ')"
+  fi
 fi
 gpu_s=$(( $(date +%s) - start ))
 save_logs

@@ -204,7 +204,9 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     e.heads = a.mask->shape[1];
     e.seqlen_q = static_cast<int>(p.seqlen_q);
     e.seqlen_k = static_cast<int>(p.seqlen_k);
-    e.block_m = kernels::sm80::forward_tile(static_cast<int>(p.head_dim)).block_m;
+    const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
+    e.block_m = tile.block_m;
+    e.block_n = tile.block_n;
     e.head_divisor = static_cast<int>(p.heads / a.mask->shape[1]);
     e.causal = p.causal;
     e.diagonal = static_cast<int>(p.seqlen_k - p.seqlen_q);

@@ -37,12 +37,18 @@ struct TileSummary {
 // every query tile of block_m rows of every (mask batch, mask head), the keys that some row of the
 // tile may see, ascending, and how many there are. The forward then loads only those K and V rows,
 // so its cost follows the kept keys rather than the key span.
+//
+// Beside each list, which of its keys each row of the tile keeps (mask bit and causal alignment),
+// compacted like the list: chunk c of block_n keys holds, per row r, block_n / 32 words whose bit
+// k says whether row r keeps key c·block_n + k of the list. A kernel reads a few words per row
+// per chunk instead of one scattered mask word per element.
 struct KeyLists {
   const int* keys = nullptr;    // nullptr: the tile path. List t starts at keys + t * capacity
   const int* counts = nullptr;  // keys in list t
+  const std::uint32_t* row_bits = nullptr;  // list t's start at row_bits + t * row_bits_stride
+  std::int64_t row_bits_stride = 0;         // words per list: chunks of room x block_m x block_n / 32
   std::int64_t batch_stride = 0, head_stride = 0;  // in lists; 0 where the mask broadcasts
   int head_divisor = 1;  // query heads per mask head
-  int block_m = 0;       // query rows per list
   int capacity = 0;      // room per list: Sk keys
 };
 

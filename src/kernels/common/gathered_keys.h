@@ -1,7 +1,8 @@
 // The gather path's part of a forward main loop: the CTA's key list (KeyLists, built by
-// key_lists.cu), walked in chunks of kBlockN keys. A chunk's K and V rows are gathered by cp.async
-// into the tile the dense loop would load, and its logits take each row's mask bit and bias value
-// at the gathered keys' own columns.
+// key_lists.cu), walked in chunks of kBlockN keys. A chunk's keys and its rows' keep bits are
+// staged in shared memory by cp.async a chunk ahead (two buffers), so that gathering its K and V
+// rows by cp.async and masking its logits wait on no global load; the bias is read at the
+// gathered keys' own columns.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -14,34 +15,70 @@
 
 namespace flash_dmattn::kernels {
 
-template <int kBlockN>
+template <int kBlockM, int kBlockN>
 struct GatheredKeys {
-  const int* keys;  // this CTA's list, ascending
-  int count;
+  static_assert(kBlockN % 32 == 0, "a chunk's row bits are whole words");
+  static constexpr int kWords = kBlockN / 32;  // row bits per row per chunk
+  // One chunk's staging: its kBlockN keys, then kWords row-bit words per row.
+  static constexpr int kStageWords = kBlockN + kBlockM * kWords;
+  static constexpr int kSmemBytes = 2 * kStageWords * 4;
 
-  __device__ __forceinline__ GatheredKeys(const KeyLists& lists, int b, int query_head, int m_block) {
+  const int* keys;  // this CTA's list, ascending
+  const std::uint32_t* row_bits;
+  int count;
+  std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer c % 2
+
+  __device__ __forceinline__ GatheredKeys(const KeyLists& lists, int b, int query_head, int m_block, char* smem) {
     const std::int64_t list = b * lists.batch_stride + (query_head / lists.head_divisor) * lists.head_stride + m_block;
     keys = lists.keys + list * lists.capacity;
+    row_bits = lists.row_bits + list * lists.row_bits_stride;
     count = lists.counts[list];
+    staged = reinterpret_cast<std::uint32_t*>(smem);
   }
 
   __device__ __forceinline__ int chunks() const { return (count + kBlockN - 1) / kBlockN; }
 
-  // Gathers the K or V rows of chunk c into a (kBlockN, D) tile; base: row 0 of this (batch, KV
-  // head). Rows past the list's end are zero-filled: zero V rows keep P·V finite where P is 0.
-  // dst, coords: the thread's vectors as the tiled copy partitions them, (vector, rows, cols).
+  __device__ __forceinline__ const int* staged_keys(int c) const {
+    return reinterpret_cast<const int*>(staged + (c % 2) * kStageWords);
+  }
+  __device__ __forceinline__ const std::uint32_t* staged_row_bits(int c) const {
+    return staged + (c % 2) * kStageWords + kBlockN;
+  }
+
+  // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
+  // Every copy stays inside the list: its room is a multiple of 4 keys and its row bits hold every
+  // chunk of Sk keys. Keys past the list's end are not copied (they are never read).
+  __device__ __forceinline__ void stage(int c, int thread, int threads) const {
+    using Vector = cute::uint128_t;
+    std::uint32_t* dst = staged + (c % 2) * kStageWords;
+    const int valid = count - c * kBlockN;
+    for (int v = thread; v < kStageWords / 4; v += threads) {
+      const std::uint32_t* src;
+      if (v < kBlockN / 4) {
+        if (4 * v >= valid) continue;
+        src = reinterpret_cast<const std::uint32_t*>(keys) + c * kBlockN + 4 * v;
+      } else {
+        src = row_bits + std::int64_t(c) * kBlockM * kWords + 4 * v - kBlockN;
+      }
+      cute::SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src),
+                                                   *reinterpret_cast<Vector*>(dst + 4 * v));
+    }
+  }
+
+  // Gathers the K or V rows of chunk c (staged) into a (kBlockN, D) tile; base: row 0 of this
+  // (batch, KV head). Rows past the list's end are zero-filled: zero V rows keep P·V finite where
+  // P is 0. dst, coords: the thread's vectors as the tiled copy partitions them, (vector, rows, cols).
   template <typename Element, typename TensorD, typename TensorC>
   __device__ __forceinline__ void load(TensorD& dst, const TensorC& coords, int c, const Element* base,
                                        std::int64_t row_stride, int head_dim) const {
-    const int* chunk = keys + c * kBlockN;
+    const int* chunk = staged_keys(c);
     copy_q_rows_async<Element>(dst, coords, count - c * kBlockN, head_dim,
                                [&](int row) { return base + chunk[row] * row_stride; });
   }
 
   // Turns the raw q·k products of chunk c into logits, as MaskBiasPolicy::apply does for a key
-  // tile: z = softcap(scale·qk) + bias, -inf where the row does not see the key (its mask bit,
-  // causal alignment, past Sq, or past the list's end). Every element is tested: a chunk's keys
-  // are scattered, so no chunk is known to be wholly visible.
+  // tile: z = softcap(scale·qk) + bias, -inf where the row does not keep the key (its keep bit,
+  // which holds the mask and causal alignment; past Sq; past the list's end).
   template <typename Kind, typename Policy, typename TensorS, typename TensorC>
   __device__ __forceinline__ void apply(Kind, const Policy& policy, TensorS& s_flat, const TensorC& coords_flat,
                                         int c) const {
@@ -50,33 +87,39 @@ struct GatheredKeys {
     Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
     Tensor coords = make_tensor(coords_flat.data(), accumulator_as_rows_cols(coords_flat.layout()));
     constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
-    int key[kCols];  // the key at each of the thread's columns, -1 past the list's end
+    constexpr bool kBias = Kind::kBias != BiasSource::none;
+    // Column by column: a column's key and (where every row reads one bias row) its bias value
+    // serve all of the thread's rows, and no per-column array stays live.
+    const int* chunk = staged_keys(c);
+    std::uint32_t keep[kRows][kWords];  // the staged keep bits of the thread's rows
     CUTE_UNROLL
-    for (int col = 0; col < kCols; ++col) {
-      const int at = c * kBlockN + get<1>(coords(0, col));
-      key[col] = at < count ? keys[at] : -1;
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int w = 0; w < kWords; ++w) keep[r][w] = staged_row_bits(c)[get<0>(coords(r, 0)) * kWords + w];
     }
     const float logit_scale = Kind::kSoftcap ? policy.scale / policy.softcap : policy.scale;
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int i = policy.row_index[r];
+    for (int col = 0; col < kCols; ++col) {
+      const int k = get<1>(coords(0, col)), at = c * kBlockN + k;
+      // The key at this column (key 0 past the list's end: its logit is discarded).
+      const int key = policy.bias_key_broadcast || at >= count ? 0 : chunk[k];
+      float shared_bias = 0.f;
+      if constexpr (kBias) {
+        if (policy.bias_shared_row) shared_bias = static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[0])[key]);
+      }
       CUTE_UNROLL
-      for (int col = 0; col < kCols; ++col) {
-        const int j = key[col], in_bounds = max(j, 0);
+      for (int r = 0; r < kRows; ++r) {
         float z;
         if constexpr (Kind::kSoftcap) {
           z = policy.softcap * tanhf(s(r, col) * logit_scale);
         } else {
           z = s(r, col) * logit_scale;
         }
-        if constexpr (Kind::kBias != BiasSource::none) {
-          z += static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[r])[policy.bias_key_broadcast ? 0 : in_bounds]);
+        if constexpr (kBias) {
+          z += policy.bias_shared_row ? shared_bias : static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[r])[key]);
         }
-        bool visible = j >= 0 && i < policy.seqlen_q && (!policy.causal || j <= i + policy.diagonal);
-        if (policy.has_mask) {
-          const int bit = policy.mask_key_broadcast ? 0 : in_bounds;
-          visible = visible && ((policy.mask_bits[r][bit / 32] >> (bit % 32)) & 1u);
-        }
+        const bool visible = policy.row_index[r] < policy.seqlen_q && at < count &&
+                             ((keep[r][k / 32] >> (k % 32)) & 1u);
         s(r, col) = visible ? z : -INFINITY;
       }
     }

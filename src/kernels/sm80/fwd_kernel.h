@@ -21,8 +21,10 @@ template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using Traits = ForwardTraits<Element, kHeadDim>;
   // The gather path is a kernel of its own, so that its code does not weigh on the tile path's.
-  return params.lists.keys ? launch_forward<Traits>(&forward_kernel<Traits, KeySource::lists>, params, stream)
-                           : launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
+  if (!params.lists.keys) return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
+  constexpr int kSmem = Traits::kSmemBytes + GatheredKeys<Traits::kBlockM, Traits::kBlockN>::kSmemBytes;
+  return launch_query_tiles<kSmem>(&forward_kernel<Traits, KeySource::lists>, params, params, Traits::kBlockM,
+                                   Traits::kNThreads, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

@@ -25,10 +25,11 @@ enum class KeySource { tiles, lists };
 
 struct NoKeyList {};
 
-template <KeySource kSource, int kBlockN>
-__device__ __forceinline__ auto key_list(const ForwardParams& p, int b, int query_head, int m_block) {
+// smem: the list's staging buffers (GatheredKeys::kSmemBytes, past the tiles' shared memory).
+template <KeySource kSource, int kBlockM, int kBlockN>
+__device__ __forceinline__ auto key_list(const ForwardParams& p, int b, int query_head, int m_block, char* smem) {
   if constexpr (kSource == KeySource::lists) {
-    return GatheredKeys<kBlockN>(p.lists, b, query_head, m_block);
+    return GatheredKeys<kBlockM, kBlockN>(p.lists, b, query_head, m_block, smem);
   } else {
     return NoKeyList{};
   }
@@ -107,7 +108,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   softmax.init();
 
   constexpr bool kLists = kSource == KeySource::lists;
-  const auto list = key_list<kSource, kBlockN>(p, b, rows.head(row0), m_block);
+  const auto list = key_list<kSource, kBlockM, kBlockN>(p, b, rows.head(row0), m_block, smem + Traits::kSmemBytes);
   const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
   const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
   // n_block: a key tile, or on the gather path a chunk of the list (ascending from 0).
@@ -140,6 +141,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   int n_block;
   if constexpr (kLists) {
     n_block = list.chunks() > 0 ? 0 : -1;
+    // The first chunk's keys must have landed before its K rows can be gathered.
+    if (n_block >= 0) list.stage(0, tid, Traits::kNThreads);
+    cp_async_fence();
+    cp_async_wait<0>();
+    __syncthreads();
   } else {
     n_block = tiles.first();
   }
@@ -157,6 +163,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     cp_async_wait<0>();
     __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
     load_v(n_block);
+    // The next chunk's keys and row bits land with this chunk's V (its buffer's last readers, the
+    // previous chunk's gathers and masking, are behind the barrier above).
+    if constexpr (kLists) {
+      if (n_block + 1 < list.chunks()) list.stage(n_block + 1, tid, Traits::kNThreads);
+    }
     cp_async_fence();
 
     if (warp_has_rows) {

@@ -1,0 +1,161 @@
+// The gather path's key-list builder against a CPU build from the same mask: per query tile, the
+// ascending union of the keys its rows keep (causal alignment included) and every row's compacted
+// keep bits, for tiles that keep nothing, lists longer than one 8192-key pass of the build (its
+// bits then cross a pass inside a word), both forward tile shapes, and causal diagonals.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "device_tensor.h"
+#include "forward_harness.h"
+#include "kernels/common/key_lists.h"
+#include "kernels/common/tile_summary.h"
+#include "test_util.h"
+
+namespace flash_dmattn::test {
+namespace {
+
+using kernels::KeyListExtent;
+using kernels::KeyLists;
+using kernels::MaskExtent;
+using kernels::TileSummary;
+
+struct ListCase {
+  std::int64_t batches, heads, rows, cols;
+  int block_m, block_n;
+  double density;
+  bool causal = false;
+  int diagonal = 0;
+  // Rows [empty_from, empty_from + block_m) keep nothing: a whole query tile with an empty list.
+  std::int64_t empty_from = -1;
+};
+
+std::string describe(const ListCase& c) {
+  return std::to_string(c.batches) + "x" + std::to_string(c.heads) + "x" + std::to_string(c.rows) + "x" +
+         std::to_string(c.cols) + " tile " + std::to_string(c.block_m) + "x" + std::to_string(c.block_n) +
+         " density " + std::to_string(c.density) + (c.causal ? " causal " + std::to_string(c.diagonal) : "");
+}
+
+template <typename T>
+std::vector<T> download(const void* device, std::size_t count, cudaStream_t stream) {
+  std::vector<T> host(count);
+  cuda_check(cudaMemcpyAsync(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost, stream), "download");
+  cuda_check(cudaStreamSynchronize(stream), "synchronize");
+  return host;
+}
+
+class KeyListBuild : public GpuTest {
+ protected:
+  void check(const ListCase& c) {
+    SCOPED_TRACE(describe(c));
+    auto rng = test_rng();
+    std::bernoulli_distribution keep(c.density);
+    const std::int64_t bhs = c.batches * c.heads;
+    std::vector<std::uint8_t> host(static_cast<std::size_t>(bhs * c.rows * c.cols));
+    auto at = [&](std::int64_t bh, std::int64_t i, std::int64_t j) -> std::uint8_t& {
+      return host[static_cast<std::size_t>((bh * c.rows + i) * c.cols + j)];
+    };
+    for (std::int64_t bh = 0; bh < bhs; ++bh)
+      for (std::int64_t i = 0; i < c.rows; ++i)
+        for (std::int64_t j = 0; j < c.cols; ++j)
+          at(bh, i, j) = !(i >= c.empty_from && i < c.empty_from + c.block_m) && keep(rng);
+
+    DeviceBuffer mask(host.size());
+    cuda_check(cudaMemcpy(mask.data(), host.data(), host.size(), cudaMemcpyHostToDevice), "mask upload");
+    MaskExtent me;
+    me.ptr = static_cast<const std::uint8_t*>(mask.data());
+    me.batches = c.batches, me.heads = c.heads, me.rows = c.rows, me.cols = c.cols;
+    me.batch_stride = c.heads * c.rows * c.cols, me.head_stride = c.rows * c.cols, me.row_stride = c.cols,
+    me.col_stride = 1;
+    me.causal = c.causal, me.diagonal = c.diagonal;
+    KeyListExtent le;
+    le.batches = c.batches, le.heads = c.heads;
+    le.seqlen_q = static_cast<int>(c.rows), le.seqlen_k = static_cast<int>(c.cols);
+    le.block_m = c.block_m, le.block_n = c.block_n;
+    le.causal = c.causal, le.diagonal = c.diagonal;
+    DeviceBuffer summary_space(kernels::tile_summary_bytes(me));
+    const std::size_t list_bytes = kernels::key_lists_bytes(le);
+    DeviceBuffer list_space(list_bytes);
+    cuda_check(cudaMemset(list_space.data(), 0xab, list_bytes), "list poison");
+    TileSummary summary;
+    cuda_check(kernels::build_tile_summary(me, summary_space.data(), stream(), &summary), "build_tile_summary");
+    KeyLists lists;
+    cuda_check(kernels::build_key_lists(le, summary, list_space.data(), stream(), &lists), "build_key_lists");
+    const std::int64_t n = le.lists();
+    const auto counts = download<int>(lists.counts, static_cast<std::size_t>(n), stream());
+    const auto keys = download<int>(lists.keys, static_cast<std::size_t>(n * lists.capacity), stream());
+    const auto row_bits = download<std::uint32_t>(lists.row_bits, static_cast<std::size_t>(n * lists.row_bits_stride),
+                                                  stream());
+
+    const int words = c.block_n / 32;
+    int failures = 0;
+    for (std::int64_t bh = 0; bh < bhs && failures < 10; ++bh) {
+      for (std::int64_t t = 0; t < le.query_tiles(); ++t) {
+        const std::int64_t list = bh * le.query_tiles() + t;
+        const std::int64_t i0 = t * c.block_m, i1 = std::min(c.rows, i0 + c.block_m);
+        auto kept = [&](std::int64_t i, std::int64_t j) {
+          return at(bh, i, j) && (!c.causal || j <= i + c.diagonal);
+        };
+        std::vector<int> expected;
+        for (std::int64_t j = 0; j < c.cols; ++j) {
+          bool any = false;
+          for (std::int64_t i = i0; i < i1 && !any; ++i) any = kept(i, j);
+          if (any) expected.push_back(static_cast<int>(j));
+        }
+        if (counts[list] != static_cast<int>(expected.size())) {
+          if (failures++ < 10) ADD_FAILURE() << "list " << list << ": " << counts[list] << " keys, expected " << expected.size();
+          continue;
+        }
+        const int* got = keys.data() + list * lists.capacity;
+        if (!std::equal(expected.begin(), expected.end(), got)) {
+          if (failures++ < 10) ADD_FAILURE() << "list " << list << ": keys differ";
+          continue;
+        }
+        const std::uint32_t* bits = row_bits.data() + list * lists.row_bits_stride;
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const std::int64_t r = i - i0;
+          for (std::size_t p = 0; p < expected.size(); ++p) {
+            const std::uint32_t word = bits[(p / c.block_n * c.block_m + r) * words + p % c.block_n / 32];
+            const bool bit = (word >> (p % 32)) & 1u;
+            if (bit != kept(i, expected[p]) && failures++ < 10) {
+              ADD_FAILURE() << "list " << list << ", row " << r << ", position " << p << " (key " << expected[p]
+                            << "): keep bit " << bit;
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+TEST_F(KeyListBuild, BothTileShapes) {
+  for (const auto& [block_m, block_n] : {std::pair{64, 128}, std::pair{64, 64}, std::pair{128, 64}}) {
+    for (const double density : {0.0, 0.01, 0.3, 1.0}) {
+      check({2, 2, 150, 333, block_m, block_n, density});
+      if (test_stopped()) return;
+    }
+  }
+}
+
+TEST_F(KeyListBuild, ListsLongerThanAPass) {
+  check({1, 1, 70, 20000, 64, 128, 0.9});
+  check({1, 2, 64, 17001, 64, 64, 0.4});
+  check({1, 1, 128, 9000, 64, 128, 0.3, false, 0, 64});  // the second tile keeps nothing
+  check({1, 1, 200, 9000, 128, 64, 0.02, false, 0, 64});
+}
+
+TEST_F(KeyListBuild, CausalDiagonals) {
+  for (const int diagonal : {-70, 0, 37, 300}) {
+    check({1, 2, 200, 300, 64, 128, 0.6, true, diagonal});
+    check({2, 1, 130, 9000, 64, 64, 0.1, true, 9000 - 130});
+    if (test_stopped()) return;
+  }
+}
+
+}  // namespace
+}  // namespace flash_dmattn::test
