@@ -238,3 +238,95 @@ def test_dropout_is_refused():
     q, k, v, _ = _qkv_bias("cpu")
     with pytest.raises(ValueError, match="attention dropout is not supported"):
         flash_dmattn_attention_forward(_Module(), q, k, v, None, dropout=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed batches (DataCollatorWithFlattening's flash-attention keywords)
+
+
+LENGTHS = (5, 9, 1, 3)
+
+
+def _packed_keywords(device):
+    cu = torch.tensor((0,) + tuple(torch.tensor(LENGTHS).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window_size", [None, 4])
+@pytest.mark.parametrize("bias_rows", ["shared", "per_query", "none"])
+def test_packed_batch_is_its_sequences_apart(device, window_size, bias_rows):
+    """One packed call gives, token for token, what a call per sequence gives, gradients included;
+    transformers' block-diagonal mask (what the offsets say) is not read."""
+    total = sum(LENGTHS)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, total, 16, generator=generator).to(device, torch.bfloat16) for h in (4, 2, 2))
+    bias = {"shared": torch.randn(1, 2, total, generator=generator),
+            "per_query": torch.randn(1, 2, total, total, generator=generator), "none": None}[bias_rows]
+    bias = None if bias is None else bias.to(device, torch.bfloat16)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    for t in leaves:
+        t.requires_grad_(True)
+    dout = torch.randn(1, total, 4, 16, generator=generator).to(device, torch.bfloat16)
+    module = _Module()
+    kept = torch.zeros(total, total, dtype=torch.bool, device=device)  # transformers' packed mask: ignored
+    packed, weights = flash_dmattn_attention_forward(module, q, k, v, kept[None, None], attention_bias=bias,
+                                                     scaling=0.25, window_size=window_size,
+                                                     **_packed_keywords(device))
+    assert weights is None and packed.shape == (1, total, 4, 16)
+    packed_grads = torch.autograd.grad(packed, leaves, dout)
+
+    starts = (0,) + tuple(torch.tensor(LENGTHS).cumsum(0).tolist())
+    pieces = []
+    for s, e in zip(starts[:-1], starts[1:]):
+        piece_bias = None
+        if bias is not None:
+            piece_bias = bias[..., s:e] if bias_rows == "shared" else bias[..., s:e, s:e]
+        pieces.append(flash_dmattn_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None,
+                                                     attention_bias=piece_bias, scaling=0.25,
+                                                     window_size=window_size)[0])
+    apart = torch.cat(pieces, dim=1)
+    apart_grads = torch.autograd.grad(apart, leaves, dout)
+    assert_rounded("out", packed, apart)
+    for name, got, expected in zip("qkvb", packed_grads, apart_grads):
+        if name == "b" and bias_rows == "per_query":
+            # Only the blocks on the diagonal are read; the rest of the packed bias gets no gradient.
+            block = torch.zeros(total, total, dtype=torch.bool, device=device)
+            for s, e in zip(starts[:-1], starts[1:]):
+                block[s:e, s:e] = True
+            assert (got[..., ~block] == 0).all()
+        assert_rounded(f"d{name}", got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_llama_matches_its_sequences_run_apart(device, monkeypatch):
+    """A stock Llama given a packed row with position_ids and the flash-attention keywords, which
+    reach the packed path (not only the block-diagonal mask transformers builds from position_ids)."""
+    from flash_dmattn.integrations import transformers as integration
+
+    calls = []
+    packed_attention = integration._packed_attention
+    monkeypatch.setattr(integration, "_packed_attention", lambda *a: calls.append(1) or packed_attention(*a))
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=NAME).to(device, torch.bfloat16)
+    ids = torch.randint(0, 128, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(5)).to(device)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, **_packed_keywords(device)).logits
+        starts = (0,) + tuple(torch.tensor(LENGTHS).cumsum(0).tolist())
+        assert len(calls) == config.num_hidden_layers
+        apart = torch.cat([model(input_ids=ids[:, s:e]).logits for s, e in zip(starts[:-1], starts[1:])], dim=1)
+    assert_rounded("logits", packed, apart)
+
+
+def test_packed_batch_refuses_batches_and_key_lists():
+    q, k, v, bias = _qkv_bias("cpu", seqlen_q=48)
+    keywords = dict(cu_seq_lens_q=torch.tensor([0, 20, 48]), cu_seq_lens_k=torch.tensor([0, 20, 48]),
+                    max_length_q=28, max_length_k=28)
+    with pytest.raises(ValueError, match="argument 'query'.*expected batch 1, got 2"):
+        flash_dmattn_attention_forward(_Module(), q, k, v, None, **keywords)
+    with pytest.raises(ValueError, match="argument 'attention_indices'"):
+        flash_dmattn_attention_forward(_Module(), q[:1], k[:1], v[:1], None,
+                                       attention_indices=torch.zeros(1, 1, 48, 2, dtype=torch.int32), **keywords)

@@ -9,6 +9,11 @@ A model with a dynamic-mask bias (upstream's Doge example: bias = A * softplus(d
 shape (B, Hk, 1, Sk)) passes it as the keyword `attention_bias`, and may pass `window_size` to keep
 only the top-k keys of the bias per row (create_mask), or its own key lists as the keyword
 `attention_indices` ((B|1, H|Hk|1, Sq|1, K) int, -1 pads; see masks.topk_key_indices).
+
+Packed batches (transformers' DataCollatorWithFlattening with return_flash_attn_kwargs=True, or
+any caller passing `cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q` and `max_length_k`, as
+transformers' flash-attention backends take them) run through flash_dmattn_varlen_func: every
+sequence attends to itself alone, and the bias, given over the packed tokens, is cut per sequence.
 """
 import os
 from typing import Optional
@@ -17,6 +22,10 @@ import torch
 
 from ..interface import flash_dmattn_func
 from ..masks import create_mask
+from ..varlen import flash_dmattn_varlen_func
+
+# The keywords in which transformers hands a packed batch's offsets to flash-attention backends.
+PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 # Not "flash_dmattn": transformers takes every name that contains "flash" for a flash-attention
 # build of its own and tries to import one.
@@ -56,13 +65,26 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     format: it is added to the bias), or a 2-D (B, Sk) padding mask. Causality follows
     transformers' sdpa backend: applied from `is_causal` (default module.is_causal) when the mask
     is not 4-D and Sq > 1. Returns (out (B, Sq, H, D), None): no attention weights.
+
+    With cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k in kwargs (a packed batch:
+    B = 1, the sequences back to back), each sequence attends to itself alone, causally per
+    sequence when is_causal holds; attention_mask is not read (for a packed batch transformers
+    builds the block-diagonal mask the offsets already say), and a (1, H|Hk, 1|total, total) bias
+    is read at each sequence's own tokens.
     """
     if dropout > 0:
         raise ValueError(f"flash_dmattn: attention dropout is not supported, got dropout={dropout} "
                          "(set the config's attention_dropout to 0)")
-    query_len, key_len = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    if window_size is None:
+        window_size = getattr(module, "window_size", None)
+    if attention_bias is not None and attention_bias.dim() == 3:
+        attention_bias = attention_bias.unsqueeze(2)  # (B, H|Hk, Sk): one bias row for every query
+    if all(kwargs.get(name) is not None for name in PACKED_KEYWORDS):
+        return _packed_attention(module, query, key, value, attention_bias, scaling, softcap, window_size,
+                                 bool(is_causal), kwargs), None
+    query_len, key_len = query.shape[2], key.shape[2]
     is_causal = bool(is_causal) and query_len > 1
 
     mask = attention_mask
@@ -75,10 +97,6 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
             attention_bias = mask if attention_bias is None else attention_bias + mask
             mask = None
 
-    if attention_bias is not None and attention_bias.dim() == 3:
-        attention_bias = attention_bias.unsqueeze(2)  # (B, H|Hk, Sk): one bias row for every query
-    if window_size is None:
-        window_size = getattr(module, "window_size", None)
     if attention_bias is not None and window_size is not None and key_len > window_size:
         # The top-k must choose among visible keys only, so causality goes into the mask first.
         if is_causal:
@@ -89,15 +107,76 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
 
     dtype = _compute_dtype(module, query)
     query, key, value = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-    if attention_bias is not None and attention_bias.dtype not in (dtype, torch.float32):
-        attention_bias = attention_bias.to(dtype)
+    out = flash_dmattn_func(query, key, value, attn_mask=mask, attn_bias=_bias_in(attention_bias, dtype),
+                            softmax_scale=scaling, is_causal=is_causal, softcap=softcap,
+                            deterministic=_deterministic(kwargs), attn_indices=kwargs.get("attention_indices"))
+    return out, None
+
+
+def _bias_in(bias: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The bias in a dtype the kernels take: the compute dtype, or float32 as given."""
+    if bias is not None and bias.dtype not in (dtype, torch.float32):
+        return bias.to(dtype)
+    return bias
+
+
+def _deterministic(kwargs) -> bool:
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = os.environ.get("FLASH_DMATTN_DETERMINISTIC", "0") == "1"
-    out = flash_dmattn_func(query, key, value, attn_mask=mask, attn_bias=attention_bias, softmax_scale=scaling,
-                            is_causal=is_causal, softcap=softcap, deterministic=deterministic,
-                            attn_indices=kwargs.get("attention_indices"))
-    return out, None
+    return bool(deterministic)
+
+
+def _per_sequence(t: Optional[torch.Tensor], dim: int, cu_seqlens: torch.Tensor, width: int):
+    """t (1, heads, rows, cols), whose dim (2: rows, 3: cols) runs over packed tokens, as the varlen
+    layout (B, heads, .., width, ..): position p of sequence b is packed token cu_seqlens[b] + p.
+    Positions past a sequence's length read its last token or beyond; the kernels never read them."""
+    if t is None or t.size(dim) == 1:
+        return t
+    batch, total = cu_seqlens.numel() - 1, t.size(dim)
+    shape = list(t.shape)
+    shape[0], shape[dim] = batch, width
+    if total == 0:
+        return t.new_zeros(shape)
+    index = (cu_seqlens[:-1, None].to(t.device, torch.long) + torch.arange(width, device=t.device)[None, :]).clamp(
+        max=total - 1)
+    view = [batch, 1, 1, 1]
+    view[dim] = width
+    return torch.gather(t.expand(batch, *t.shape[1:]), dim, index.view(view).expand(shape))
+
+
+def _packed_attention(module, query, key, value, attention_bias, scaling, softcap, window_size, is_causal,
+                      kwargs) -> torch.Tensor:
+    """A packed batch: q (1, H, total_q, D), k and v (1, Hk, total_k, D), offsets in kwargs.
+    transformers' own mask for it (block-diagonal) says what the offsets say, so it is not read.
+    Returns out (1, total_q, H, D)."""
+    if kwargs.get("attention_indices") is not None:
+        raise ValueError("flash_dmattn: argument 'attention_indices': key lists are not taken with a packed batch "
+                         "(cu_seq_lens_q given); pass window_size, or unpack the batch")
+    if query.shape[0] != 1:
+        raise ValueError("flash_dmattn: argument 'query': a packed batch (cu_seq_lens_q given) holds its sequences "
+                         f"in one row, expected batch 1, got {query.shape[0]}")
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+    max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    bias = _per_sequence(_per_sequence(attention_bias, 2, cu_q, max_q), 3, cu_k, max_k)
+    mask = None
+    if bias is not None and window_size is not None and max_k > window_size:
+        # The top-k of each row chooses among the keys its own sequence lets it see.
+        lengths_q = (cu_q[1:] - cu_q[:-1]).to(query.device, torch.long)[:, None, None, None]
+        lengths_k = (cu_k[1:] - cu_k[:-1]).to(query.device, torch.long)[:, None, None, None]
+        rows = torch.arange(max_q, device=query.device)[:, None]
+        cols = torch.arange(max_k, device=query.device)[None, :]
+        visible = cols < lengths_k
+        if is_causal:
+            visible = visible & (cols <= rows + lengths_k - lengths_q)
+        mask = create_mask(bias, visible, lengths_q.shape[0], max_q, max_k, window_size,
+                           torch.finfo(bias.dtype).min, block_size=kwargs.get("block_size"))
+    dtype = _compute_dtype(module, query)
+    query, key, value = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+    out = flash_dmattn_varlen_func(query, key, value, cu_q, cu_k, max_q, max_k, attn_mask=mask,
+                                   attn_bias=_bias_in(bias, dtype), softmax_scale=scaling, is_causal=is_causal,
+                                   softcap=softcap, deterministic=_deterministic(kwargs))
+    return out.unsqueeze(0)
 
 
 def register(name: str = NAME) -> str:
