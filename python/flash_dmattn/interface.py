@@ -165,8 +165,11 @@ def _compact_broadcast(t: torch.Tensor) -> torch.Tensor:
     The kernels read a size-1 dim through stride 0, so nothing is copied and a smaller tensor is
     read; the key dim then also meets the library's rule that the last dim be contiguous.
     """
-    for d in range(t.dim()):
-        if t.size(d) > 1 and t.stride(d) == 0:
+    strides = t.stride()
+    if 0 not in strides:  # the common case, answered without a loop over the dims
+        return t
+    for d, (size, stride) in enumerate(zip(t.shape, strides)):
+        if size > 1 and stride == 0:
             t = t.narrow(d, 0, 1)
     return t
 

@@ -27,12 +27,18 @@ _HEAD_DIM_MULTIPLE = 8
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.bool: "bool"}
 
 
-def _view(t: torch.Tensor):
-    return _C.View(t.data_ptr(), _DTYPE_NAMES[t.dtype], t.shape, t.stride(), t.device.type, t.device.index or 0)
+def _view(t: torch.Tensor, device: Tuple[str, int]):
+    """device: (type, index) of the call's tensors, read once per call (each t.device builds an object)."""
+    return _C.View(t.data_ptr(), _DTYPE_NAMES[t.dtype], t.shape, t.stride(), *device)
 
 
-def _optional_view(t: Optional[torch.Tensor]):
-    return None if t is None else _view(t)
+def _optional_view(t: Optional[torch.Tensor], device: Tuple[str, int]):
+    return None if t is None else _view(t, device)
+
+
+def _device(t: torch.Tensor) -> Tuple[str, int]:
+    device = t.device
+    return device.type, device.index or 0
 
 
 def _stream(device: torch.device) -> int:
@@ -60,8 +66,11 @@ def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(call, size_of, args, device: torch.device) -> None:
-    """Runs one call with a workspace from torch's allocator, on the current stream."""
+    """Runs one call with a workspace from torch's allocator (none where it needs none), on the current stream."""
     nbytes = size_of(args)
+    if nbytes == 0:
+        call(args, 0, 0)
+        return
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     call(args, workspace.data_ptr(), nbytes)
 
@@ -90,9 +99,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     q, k, v = (_rows_aligned(_padded(t)) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    args = _C.ForwardArgs(_view(q), _view(k), _view(v), _view(out), _view(lse),
-                          mask=_optional_view(mask), bias=_optional_view(bias), softmax_scale=scale,
-                          causal=causal, softcap=softcap, stream=_stream(q.device))
+    device = _device(q)
+    args = _C.ForwardArgs(_view(q, device), _view(k, device), _view(v, device), _view(out, device),
+                          _view(lse, device), mask=_optional_view(mask, device), bias=_optional_view(bias, device),
+                          softmax_scale=scale, causal=causal, softcap=softcap, stream=_stream(q.device))
     _run(_C.forward, _C.forward_workspace_size, args, q.device)
     return _unpadded(out, head_dim), lse
 
@@ -118,9 +128,10 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     q, k, v, out = (_rows_aligned(_padded(t)) for t in (q, k, v, out))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else q.new_empty(0)
-    args = _C.BackwardArgs(_view(q), _view(k), _view(v), _view(out), _view(lse), _view(dout), _view(dq), _view(dk),
-                           _view(dv), mask=_optional_view(mask), bias=_optional_view(bias),
-                           dbias=_view(dbias) if bias_grad else None, softmax_scale=scale, causal=causal,
+    device = _device(q)
+    args = _C.BackwardArgs(*(_view(t, device) for t in (q, k, v, out, lse, dout, dq, dk, dv)),
+                           mask=_optional_view(mask, device), bias=_optional_view(bias, device),
+                           dbias=_view(dbias, device) if bias_grad else None, softmax_scale=scale, causal=causal,
                            softcap=softcap, deterministic=deterministic, stream=_stream(q.device))
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
@@ -186,6 +197,11 @@ def _plain_eager(tensors) -> bool:
 
 
 def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
-    """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch."""
+    """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
+    and without autograd's bookkeeping where no gradient can be asked for (inference, decode)."""
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic)
-    return _EagerAttention.apply(*inputs) if _plain_eager((q, k, v, mask, bias)) else forward(*inputs)
+    if not _plain_eager((q, k, v, mask, bias)):
+        return forward(*inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return _EagerAttention.apply(*inputs)
+    return _forward(*inputs)
