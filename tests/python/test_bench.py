@@ -423,3 +423,48 @@ def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
     assert "forward: gather path" in runner.notes
     runner.call(*runner.inputs)
     assert seen == ["gather"] and "FLASH_DMATTN_SPARSE_PATH" not in os.environ
+
+
+def test_serving_suite_cases():
+    serving = suites.cases("serving")
+    packed, equal = serving[0], serving[1]
+    assert (packed.batch, sum(packed.lengths), min(packed.lengths), max(packed.lengths)) == (8, 32768, 512, 8192)
+    assert (equal.batch * equal.seqlen_q, equal.head_dim, equal.lengths) == (32768, 128, ())
+    paged = [c for c in serving if c.page]
+    assert len(paged) == 1 and paged[0].batch == 64 and paged[0].page == 64 and paged[0].modes == ("fwd",)
+    assert 4096 <= min(paged[0].lengths) and max(paged[0].lengths) <= 32768
+    # The real work of a batch of several lengths is the sum over its sequences.
+    assert packed.sequence_lengths[0] == (512, 512)
+    assert flops.case_dense_flops(packed, "fwd") == sum(
+        flops.dense_flops(1, 16, 128, n, n, True, "fwd") for n in packed.lengths)
+    with pytest.raises(ValueError, match="lengths"):
+        suites.Case("t", 2, 2, 1, 8, 8, 16, True, "all_true", lengths=(8, 9))
+    with pytest.raises(ValueError, match="causality or one query row"):
+        suites.Case("t", 2, 2, 1, 8, 8, 16, False, "all_true", lengths=(8, 5))
+    with pytest.raises(ValueError, match="paged cache is for decode"):
+        suites.Case("t", 2, 2, 1, 8, 8, 16, True, "all_true", lengths=(8, 5), page=4)
+
+
+@pytest.mark.parametrize("name,case", [
+    ("ours_varlen", suites.Case("t", 3, 4, 2, 24, 24, 16, True, "all_true", lengths=(24, 7, 13))),
+    ("ours_paged", suites.Case("t", 3, 4, 2, 1, 40, 16, False, "all_true", backward=False, lengths=(40, 9, 23),
+                               page=8)),
+])
+def test_packed_and_paged_runners_match_the_padded_batch(name, case):
+    """ours_varlen and ours_paged take the padded problem in their own layouts and give back, in
+    ours' layout, what ours computes on the padded batch (gradients too where there is a backward)."""
+    torch = pytest.importorskip("torch")
+    from flash_dmattn.bench.impls import IMPLEMENTATIONS
+    from flash_dmattn.bench.problem import make_problem, visibility
+    problem = make_problem(case, torch.bfloat16, torch.device("cpu"))
+    assert problem.mask.shape == (3, 2, 1, case.seqlen_k)
+    assert IMPLEMENTATIONS[name].unsupported(case, torch.device("cpu")) is None
+    ours = IMPLEMENTATIONS["ours"].runner(problem, case.backward).results(case.backward)
+    other = IMPLEMENTATIONS[name].runner(problem, case.backward).results(case.backward)
+    assert set(other) == set(ours)
+    rows = visibility(problem, [(16, 16)]).rows  # (B, Sq, H): the padding's query rows see no key
+    for key in ours:
+        expected, got = ours[key].float(), other[key].float()
+        if key == "out":
+            expected, got = expected[rows], got[rows]
+        assert torch.allclose(got, expected, atol=2e-2, rtol=2e-2), key

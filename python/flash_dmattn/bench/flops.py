@@ -55,6 +55,12 @@ def dense_flops(batch: int, heads: int, head_dim: int, seqlen_q: int, seqlen_k: 
     return batch * heads * pass_flops(head_dim, pairs, pairs, mode)
 
 
+def case_dense_flops(case, mode: str) -> float:
+    """dense_flops of a case's real problem: for a batch of sequences of several lengths, the sum
+    over its sequences (the work a packed call does), not the padded batch."""
+    return sum(dense_flops(1, case.heads, case.head_dim, q, k, case.causal, mode) for q, k in case.sequence_lengths)
+
+
 def _to_numpy(array) -> np.ndarray:
     return array.cpu().numpy() if hasattr(array, "cpu") else np.asarray(array)
 

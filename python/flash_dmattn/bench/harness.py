@@ -210,8 +210,7 @@ def _run_impl(impl: Implementation, problem: Problem, pairs: dict, modes: List[s
         # A backward follows its own forward on the same inputs: flush whenever the inputs fit in L2.
         measured = timing.measure(clock, prepare, run, copies_count, flush or (mode == "bwd" and copies_count > 1),
                                   options.settings)
-        dense = flops.dense_flops(case.batch, case.heads, case.head_dim, case.seqlen_q, case.seqlen_k, case.causal,
-                                  mode)
+        dense = flops.case_dense_flops(case, mode)
         visited, density = _visited(impl, case, pairs, mode)
         # The per-mask preparation belongs to a step's forward; a backward reuses what it made.
         prep = prep_ms if mode != "bwd" else None

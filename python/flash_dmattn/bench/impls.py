@@ -6,6 +6,10 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
   comes from bias.requires_grad.
 - ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: the forward
   over per-tile key lists (CUDA, masked cases; the backward keeps the tile path).
+- ours_varlen: flash_dmattn_varlen_func on a case's sequences of several lengths (serving suite)
+  packed back to back; mask and bias in its per-sequence layout. ours takes the padded batch.
+- ours_paged: flash_dmattn_with_kvcache on a paged copy of a decode case's cache (pages in a
+  scrambled order, a block table, the lengths); ours takes the contiguous padded cache.
 - sdpa_efficient: SDPA's memory-efficient backend with mask and bias folded into one float mask
   bias + where(mask, 0, -inf) of shape (B, H, Sq, Sk) (what a user without this library does).
   That float mask requires grad in the backward; its (B, H, Sq, Sk) gradient, reduced to
@@ -174,6 +178,113 @@ class OursGather(Ours):
 
         runner.call = call
         runner.notes.append("forward: gather path")
+        return runner
+
+
+class _Sequences:
+    """A case with lengths in the padded layout of problem.py (sequence b in the last lengths[b]
+    positions) and the per-sequence layout of the varlen and KV-cache calls (from position 0)."""
+
+    def __init__(self, case: Case, device: torch.device):
+        self.case, self.width = case, case.seqlen_k
+        self.lengths = torch.tensor(case.lengths, device=device)
+        self.front = self.width - self.lengths                                          # (B,)
+        positions = torch.arange(self.width, device=device)[None, :]
+        self.real = positions >= self.front[:, None]                                     # (B, S)
+        self.tokens = self.real.flatten().nonzero().squeeze(1)    # padded rows of the packed tokens, in order
+        self.from_start = (positions + self.front[:, None]).clamp(max=self.width - 1)    # own position -> padded
+        self.to_padded = (positions - self.front[:, None]).clamp(min=0)                  # padded -> own position
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, S, h, D) -> (total, h, D)."""
+        return t.reshape(-1, *t.shape[2:]).index_select(0, self.tokens)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(total, h, D) -> (B, S, h, D), zero in the padding."""
+        flat = t.new_zeros(self.case.batch * self.width, *t.shape[1:]).index_copy(0, self.tokens, t)
+        return flat.view(self.case.batch, self.width, *t.shape[1:])
+
+    def keys_from_start(self, t: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:
+        """A (B, h, 1, S) mask or bias with each sequence's keys moved to positions 0..len-1, then
+        padded (False or 0) to `width` keys."""
+        if t is None:
+            return None
+        moved = torch.gather(t, 3, self.from_start[:, None, None, :].expand(t.shape))
+        return F.pad(moved, (0, width - self.width))
+
+    def keys_padded(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of keys_from_start (for a bias gradient): zero in the padding."""
+        t = t[..., :self.width]
+        moved = torch.gather(t, 3, self.to_padded[:, None, None, :].expand(t.shape))
+        return moved.masked_fill(~self.real[:, None, None, :], 0)
+
+
+class OursVarlen(Ours):
+    name = "ours_varlen"
+
+    def unsupported(self, case, device):
+        return None if case.lengths and case.seqlen_q > 1 else "packs batches of several lengths (serving suite)"
+
+    def runner(self, problem, grad):
+        from ..varlen import flash_dmattn_varlen_func
+        case = problem.case
+        seqs = _Sequences(case, problem.q.device)
+        offsets = torch.cat([seqs.lengths.new_zeros(1), seqs.lengths.cumsum(0)]).to(torch.int32)
+        q, k, v = (seqs.pack(t).detach().requires_grad_(grad) for t in (problem.q, problem.k, problem.v))
+        bias = _leaf(seqs.keys_from_start(problem.bias, seqs.width), grad)
+        mask = seqs.keys_from_start(problem.mask, seqs.width)
+
+        def call(q, k, v, bias, mask):
+            return flash_dmattn_varlen_func(q, k, v, offsets, offsets, seqs.width, seqs.width, attn_mask=mask,
+                                            attn_bias=bias, is_causal=case.causal)
+
+        def canonical(name, t):
+            return seqs.keys_padded(t) if name == "bias" else seqs.unpack(t)
+
+        runner = Runner(("q", "k", "v", "bias", "mask"), [q, k, v, bias, mask], call, seqs.pack(problem.dout),
+                        canonical)
+        runner.notes.append(f"{len(case.lengths)} sequences packed, {int(seqs.lengths.sum())} tokens")
+        return runner
+
+
+class OursPaged(Ours):
+    name = "ours_paged"
+
+    def unsupported(self, case, device):
+        return None if case.page else "reads a paged KV cache (serving suite's paged decode)"
+
+    def runner(self, problem, grad):
+        from ..kvcache import flash_dmattn_with_kvcache
+        case, device = problem.case, problem.q.device
+        seqs = _Sequences(case, device)
+        page = case.page
+        counts = [(n + page - 1) // page for n in case.lengths]
+        max_pages = (seqs.width + page - 1) // page
+        # Pages in a scrambled order, as a serving engine's allocator leaves them.
+        order = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(0)).to(device)
+        block_table = torch.zeros(case.batch, max_pages, dtype=torch.int32, device=device)
+        caches = [torch.zeros(sum(counts), page, *problem.k.shape[2:], dtype=problem.k.dtype, device=device)
+                  for _ in range(2)]
+        start = 0
+        for b, (n, length) in enumerate(zip(counts, case.lengths)):
+            ids = order[start:start + n]
+            start += n
+            block_table[b, :n] = ids.to(torch.int32)
+            for cache, t in zip(caches, (problem.k, problem.v)):
+                own = F.pad(t[b, seqs.width - length:], (0, 0, 0, 0, 0, n * page - length))
+                cache[ids] = own.view(n, page, *t.shape[2:])
+        width = max_pages * page
+        bias = seqs.keys_from_start(problem.bias, width)
+        mask = seqs.keys_from_start(problem.mask, width)
+        lengths = seqs.lengths.to(torch.int32)
+
+        def call(q, k_cache, v_cache, bias, mask):
+            return flash_dmattn_with_kvcache(q, k_cache, v_cache, lengths, block_table=block_table, attn_mask=mask,
+                                             attn_bias=bias, is_causal=case.causal)
+
+        runner = Runner(("q", "k_cache", "v_cache", "bias", "mask"), [problem.q, *caches, bias, mask], call,
+                        problem.dout, lambda name, t: t)
+        runner.notes.append(f"{sum(counts)} pages of {page} keys")
         return runner
 
 
@@ -404,4 +515,5 @@ class Flex(Implementation):
         return runner
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursGather(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursGather(), OursVarlen(), OursPaged(), SdpaEfficient(),
+                                                SdpaCudnn(), SdpaFlash(), Flex())}

@@ -18,7 +18,7 @@ class Problem:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    mask: Optional[torch.Tensor]   # bool (B, Hk, Sq, Sk), or (B, Hk, 1, Sk) for one query row
+    mask: Optional[torch.Tensor]   # bool (B, Hk, Sq, Sk); (B, Hk, 1, Sk) for one query row or per-sequence lengths
     bias: Optional[torch.Tensor]   # (B, Hk, 1, Sk)
     dout: torch.Tensor             # (B, Sq, H, D)
 
@@ -35,6 +35,11 @@ def causal_keep(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
 def build_mask(case: Case, bias: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """The case's mask, materialized per batch and KV head as a model's dynamic mask would be."""
     shape = (case.batch, case.kv_heads, case.seqlen_q, case.seqlen_k)
+    if case.lengths:
+        # Each sequence fills the last lengths[b] key positions (front padding): keep those.
+        front = case.seqlen_k - torch.tensor(case.lengths, device=device)
+        keep = torch.arange(case.seqlen_k, device=device)[None, :] >= front[:, None]
+        return keep[:, None, None, :].expand(case.batch, case.kv_heads, 1, case.seqlen_k).contiguous()
     if case.mask == "none":
         return None
     if case.mask == "all_true":

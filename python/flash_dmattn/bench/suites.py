@@ -9,6 +9,13 @@ mask of shape (B, Hk, Sq, Sk) (decode: (B, Hk, 1, Sk)) that every implementation
   case asks for it, none otherwise);
 - "none": no mask at all (the bias alone).
 
+A case with `lengths` is a batch of sequences of those lengths (serving suite), laid out as the
+padded batch: sequence b fills the last lengths[b] positions of q, k and v (front padding keeps
+the bottom-right causal limit each sequence's own), and its mask, (B, Hk, 1, Sk), keeps the keys
+of each sequence ("all_true") or none of them ("none" is not allowed there). Such a case must be
+causal or have one query row, so that the padding's query rows see no key. The packed and paged
+implementations (impls.py) take the same problem in their own layouts.
+
 Plain Python (no torch), so that `--list` and the tests run anywhere.
 """
 from dataclasses import dataclass
@@ -35,6 +42,8 @@ class Case:
     sweep: str = ""         # the plot group this case belongs to ("" = not plotted)
     x: int = 0              # its position on that group's x axis
     block: int = 0          # "topk": smooth the mask by blocks of this many keys (0: no smoothing)
+    lengths: Tuple[int, ...] = ()   # a batch of sequences of these lengths (keys; queries too unless Sq is 1)
+    page: int = 0           # with lengths and one query row: the page size of the paged KV cache
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
@@ -47,12 +56,24 @@ class Case:
             raise ValueError(f"Case: block smoothing applies to top-k masks, not {self.mask!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"Case: kv_heads {self.kv_heads} does not divide heads {self.heads}")
+        if self.lengths:
+            if (self.batch, self.seqlen_k) != (len(self.lengths), max(self.lengths)) or \
+                    self.seqlen_q not in (1, self.seqlen_k) or min(self.lengths) < 1:
+                raise ValueError(f"Case: lengths {self.lengths} need batch {len(self.lengths)}, Sk = the longest, "
+                                 "Sq = Sk or 1, and every length >= 1")
+            if self.mask != "all_true" or not (self.causal or self.seqlen_q == 1):
+                raise ValueError("Case: sequences of several lengths take the all_true mask (each sequence's keys) "
+                                 "and causality or one query row")
+        if self.page and not (self.lengths and self.seqlen_q == 1 and not self.backward):
+            raise ValueError("Case: a paged cache is for decode (one query row, no backward) of sequences with lengths")
 
     @property
     def mask_label(self) -> str:
         return {"none": "nomask", "all_true": "alltrue", "window": f"win{self.window}",
                 "topk": f"top{self.window}"}[self.mask] + (f" block{self.block}" if self.block else "") + \
-            ("" if self.bias else " nobias")
+            ("" if self.bias else " nobias") + \
+            (f" len{min(self.lengths)}-{max(self.lengths)}" if self.lengths else "") + \
+            (f" page{self.page}" if self.page else "")
 
     @property
     def name(self) -> str:
@@ -69,7 +90,14 @@ class Case:
     def key(self) -> tuple:
         """What the timings depend on: two cases of equal key (one point in two sweeps) run once."""
         return (self.batch, self.heads, self.kv_heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal,
-                self.mask, self.window, self.block, self.bias, self.backward)
+                self.mask, self.window, self.block, self.bias, self.backward, self.lengths, self.page)
+
+    @property
+    def sequence_lengths(self) -> Tuple[Tuple[int, int], ...]:
+        """(queries, keys) of each sequence: the real problem a padded batch stands for."""
+        if not self.lengths:
+            return ((self.seqlen_q, self.seqlen_k),) * self.batch
+        return tuple((n if self.seqlen_q > 1 else 1, n) for n in self.lengths)
 
 
 def _powers_of_two(low: int, high: int) -> List[int]:
@@ -121,6 +149,36 @@ def decode(quick: bool = False) -> List[Case]:
             for kind, w in (("none", 0), ("topk", 4096)) for s in lengths]
 
 
+def _mixed_lengths(count: int, low: int, high: int, step: int) -> Tuple[int, ...]:
+    """count lengths spread over [low, high] in multiples of step, in a fixed scrambled order."""
+    span = (high - low) // step
+    return tuple(low + step * ((i * 37) % (span + 1)) for i in range(count))
+
+
+def serving(quick: bool = False) -> List[Case]:
+    """Issue 30's cases. A packed training batch (8 sequences of 512 to 8192 tokens, 32768 in all,
+    D128, causal, mask and bias) beside 8 sequences of 4096 (equal lengths, same tokens): ours
+    takes it padded, ours_varlen packed. Decode B1 H32/8 D128 at Sk 1k to 64k and batched (B64 at
+    4k), a tiny call (B1 H4/2 Sq1 Sk256 D64), and paged decode (B64, Sk 4k to 32k mixed, page 64):
+    ours takes the contiguous padded cache, ours_paged the pages."""
+    if quick:
+        packed = (64, 256, 128, 512, 192, 320, 448, 96)
+        decode_lens, batched, paged = [1024, 4096], 512, _mixed_lengths(8, 512, 2048, 64)
+    else:
+        packed = (512, 8192, 2048, 6144, 1024, 4096, 7168, 3584)
+        decode_lens, batched, paged = [1024, 4096, 16384, 65536], 4096, _mixed_lengths(64, 4096, 32768, 64)
+    equal = sum(packed) // len(packed)
+    cases = [Case("serving", len(packed), 16, 4, max(packed), max(packed), 128, True, "all_true", lengths=packed),
+             Case("serving", len(packed), 16, 4, equal, equal, 128, True, "all_true")]
+    cases += [Case("serving", 1, 32, 8, 1, s, 128, False, "all_true", backward=False, sweep="decode K, Q1 alltrue",
+                   x=s) for s in decode_lens]
+    cases += [Case("serving", 64, 32, 8, 1, batched, 128, False, "all_true", backward=False),
+              Case("serving", 1, 4, 2, 1, 256, 64, False, "all_true", backward=False),
+              Case("serving", len(paged), 32, 8, 1, max(paged), 128, False, "all_true", backward=False,
+                   lengths=paged, page=64)]
+    return cases
+
+
 def smoke(quick: bool = False) -> List[Case]:
     """Tiny shapes of every mask kind, for testing the harness itself (also on CPU)."""
     return [
@@ -132,7 +190,8 @@ def smoke(quick: bool = False) -> List[Case]:
     ]
 
 
-SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "decode": decode, "smoke": smoke}
+SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "decode": decode,
+          "serving": serving, "smoke": smoke}
 
 
 def cases(suite: str, quick: bool = False, max_cases: int = 0) -> List[Case]:
