@@ -101,6 +101,17 @@ def test_kernel_tiles_follow_tile_size_h():
     assert flops.kernel_tiles(256) == {"fwd": (128, 64), "bwd": (64, 64)}
 
 
+def test_gather_tiles_count_the_union_of_each_query_tile():
+    assert flops.gather_tiles(32) == {"fwd": (64, 1), "bwd": (64, 128)}
+    assert flops.gather_tiles(256) == {"fwd": (128, 1), "bwd": (64, 64)}
+    # Two query tiles of 2 rows over 6 keys: the first tile's rows see keys {0, 3} and {3, 5}
+    # (union 3 keys), the second's none and {1} (union 1 key).
+    visible = np.zeros((1, 1, 4, 6), dtype=bool)
+    visible[0, 0, 0, [0, 3]] = visible[0, 0, 1, [3, 5]] = visible[0, 0, 3, 1] = True
+    pairs, density = flops.visited_pairs(visible, (2, 1), batch=1, heads=1)
+    assert pairs == 2 * 3 + 2 * 1 and density == pytest.approx(4 / 12)
+
+
 def test_tile_shapes_match_the_header():
     """kernel_tiles restates src/kernels/sm80/tile_size.h: the shapes must be the header's."""
     header = open(os.path.join(REPO, "src", "kernels", "sm80", "tile_size.h")).read()

@@ -30,6 +30,15 @@ def kernel_tiles(head_dim: int) -> Dict[str, Tuple[int, int]]:
     return {"fwd": forward, "bwd": backward}
 
 
+def gather_tiles(head_dim: int) -> Dict[str, Tuple[int, int]]:
+    """The gather path's work as tiles: its forward computes, per query tile of the sm80 forward's
+    block_m rows, the keys that some row of the tile sees (the tile's key list), which is what
+    (block_m, 1) tiles count: a one-key tile is visited iff a row of the query tile sees that key,
+    and their density is the union density. Its backward takes the tile path."""
+    tiles = kernel_tiles(head_dim)
+    return {"fwd": (tiles["fwd"][0], 1), "bwd": tiles["bwd"]}
+
+
 def causal_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     """(query, key) pairs the causal limit allows: key j is visible from row i iff j <= i + Sk - Sq."""
     if not causal:

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .flops import kernel_tiles
+from .flops import gather_tiles, kernel_tiles
 from .problem import Problem, causal_keep
 from .suites import Case
 
@@ -151,6 +151,7 @@ class Ours(Implementation):
 class OursGather(Ours):
     name = "ours_gather"
     _VARIABLE = "FLASH_DMATTN_SPARSE_PATH"
+    tiles = staticmethod(gather_tiles)  # forward visits: the keys of each query tile's list
 
     def unavailable(self, device):
         if device.type != "cuda":
