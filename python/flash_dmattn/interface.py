@@ -136,6 +136,51 @@ def _indices_mask(attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     return mask.scatter_(-1, idx, True)[..., :seqlen_k]
 
 
+def _check_indexed_bias(attn_indices_bias, attn_indices, query) -> None:
+    """attn_indices_bias: one bias value per listed key, laid out as attn_indices."""
+    if attn_indices is None:
+        _fail(ValueError, "attn_indices_bias", "expected attn_indices beside it (its values follow their lists)")
+    _check_tensor("attn_indices_bias", attn_indices_bias, 4, "(B|1, H|Hk|1, Sq|1, K), aligned with attn_indices")
+    if attn_indices_bias.device != query.device:
+        _fail(ValueError, "attn_indices_bias", f"expected the device of query ({query.device}), got "
+                                               f"{attn_indices_bias.device}")
+    if attn_indices_bias.dtype not in (query.dtype, torch.float32):
+        _fail(TypeError, "attn_indices_bias", f"expected the dtype of query ({query.dtype}) or torch.float32, got "
+                                              f"{attn_indices_bias.dtype}")
+    try:
+        torch.broadcast_shapes(attn_indices_bias.shape[:-1], attn_indices.shape[:-1])
+    except RuntimeError:
+        broadcasts = False
+    else:
+        broadcasts = True
+    if not broadcasts or attn_indices_bias.shape[-1] != attn_indices.shape[-1]:
+        _fail(ValueError, "attn_indices_bias", f"expected a list length (dim 3) of {attn_indices.shape[-1]} like "
+                                               f"attn_indices {_shape(attn_indices)}, and first dims that broadcast "
+                                               f"with its, got {_shape(attn_indices_bias)}")
+
+
+def _same_heads(a: torch.Tensor, b: torch.Tensor, group: int):
+    """a and b with head dims that broadcast: where one has a head per query head and the other
+    one per KV head, the KV head's entries serve its group of query heads."""
+    if 1 != a.shape[1] != b.shape[1] != 1:
+        if a.shape[1] < b.shape[1]:
+            a = a.repeat_interleave(group, dim=1)
+        else:
+            b = b.repeat_interleave(group, dim=1)
+    return a, b
+
+
+def _indexed_bias(attn_indices_bias: torch.Tensor, attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The bias (.., Sk) that per-key values of key lists stand for: each listed key gets its value
+    (a key listed twice, the sum of its values), every other key 0. Autograd returns the gradient
+    of each listed entry (0 for padding) in attn_indices_bias's shape."""
+    shape = torch.broadcast_shapes(attn_indices_bias.shape, attn_indices.shape)
+    idx = attn_indices.long()
+    idx = torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k).expand(shape)
+    dense = attn_indices_bias.new_zeros(*shape[:-1], seqlen_k + 1)
+    return dense.scatter_add(-1, idx, attn_indices_bias.expand(shape))[..., :seqlen_k]
+
+
 def _check_options(softmax_scale, softcap) -> None:
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         _fail(ValueError, "softmax_scale", f"expected a finite value > 0, got {softmax_scale}")
@@ -192,7 +237,8 @@ def _kernel_operands(attn_mask, attn_bias):
 
 
 def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
-                      softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None):
+                      softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None,
+                      attn_indices_bias=None):
     """Attention with a dynamic boolean mask and an additive bias (docs/semantics.md).
 
     Args:
@@ -214,6 +260,10 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             which on CUDA waits for the GPU once per call; under CUDA-graph capture or
             torch.compile such entries are ignored). It keeps exactly the keys of the bool mask it
             stands for, ANDed with attn_mask when both are given.
+        attn_indices_bias: optional (B|1, H|Hk|1, Sq|1, K) beside attn_indices, query's dtype or
+            float32: the bias of each listed key (DeepSeek-style compact scores), added to
+            attn_bias where both are given; a key listed twice gets the sum of its values, padding
+            entries are not read. Its gradient comes back in its own shape (0 at padding).
 
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
@@ -223,6 +273,11 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
         _check_indices(attn_indices, query, key)
+    if attn_indices_bias is not None:
+        if (isinstance(attn_indices_bias, torch.Tensor) and attn_indices_bias.dtype not in (query.dtype, torch.float32)
+                and torch.is_autocast_enabled(query.device.type)):
+            attn_indices_bias = attn_indices_bias.to(query.dtype)  # as _autocast does for attn_bias
+        _check_indexed_bias(attn_indices_bias, attn_indices, query)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
@@ -231,14 +286,14 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         listed = _indices_mask(attn_indices, key.shape[1])
         if attn_mask is not None:
             attn_mask = _compact_broadcast(attn_mask)
-        if attn_mask is not None and 1 != attn_mask.shape[1] != listed.shape[1] != 1:
-            # One per query head and one per KV head: the KV head's rows serve its group of heads.
-            group = query.shape[2] // key.shape[2]
-            if attn_mask.shape[1] < listed.shape[1]:
-                attn_mask = attn_mask.repeat_interleave(group, dim=1)
-            else:
-                listed = listed.repeat_interleave(group, dim=1)
+        if attn_mask is not None:
+            attn_mask, listed = _same_heads(attn_mask, listed, query.shape[2] // key.shape[2])
         attn_mask = listed if attn_mask is None else attn_mask & listed
+    if attn_indices_bias is not None:
+        listed_bias = _indexed_bias(attn_indices_bias, attn_indices, key.shape[1])
+        if attn_bias is not None:
+            attn_bias, listed_bias = _same_heads(attn_bias, listed_bias, query.shape[2] // key.shape[2])
+        attn_bias = listed_bias if attn_bias is None else attn_bias + listed_bias
     attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
     out, lse = torch_ops.attention(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
                                    bool(deterministic))

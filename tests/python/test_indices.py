@@ -120,3 +120,79 @@ def test_compile_fullgraph_traces_the_lists(device):
     compiled = torch.compile(call, fullgraph=True)
     assert torch.equal(compiled(case["q"], case["k"], case["v"], indices),
                        call(case["q"], case["k"], case["v"], indices))
+
+
+# ------------------------------------------------------------------------------------------------
+# attn_indices_bias: a bias value per listed key
+
+
+def dense_of(indices, values, seqlen_k):
+    """The (.., Sk) bias that per-key values stand for, built the plain way (duplicates add)."""
+    shape = torch.broadcast_shapes(indices.shape, values.shape)
+    indices, values = indices.expand(shape), values.expand(shape)
+    dense = torch.zeros(*shape[:3], seqlen_k, dtype=torch.float64)
+    for row in torch.cartesian_prod(*(torch.arange(n) for n in shape[:3])):
+        for j, x in zip(indices[tuple(row)].tolist(), values[tuple(row)].double().tolist()):
+            if j >= 0:
+                dense[tuple(row) + (j,)] += x
+    return dense
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shapes", [((2, 4, 9, 5), (2, 4, 9, 5)), ((1, 2, 9, 5), (2, 2, 1, 5)),
+                                    ((2, 1, 1, 5), (2, 4, 9, 5))],
+                         ids=["aligned", "rows-per-kv-head-values-per-batch", "one-list-values-per-row"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_indexed_bias_is_the_dense_bias_it_stands_for(device, shapes, with_bias):
+    """Out and gradients equal those of the dense bias built by hand; the values' gradient is the
+    dense bias gradient read at the listed keys, 0 at padding, summed over broadcast dims."""
+    generator = torch.Generator().manual_seed(2)
+    index_shape, value_shape = shapes
+    case = make_case(2, 9, 13, 4, 2, 16, dtype=torch.bfloat16, bias_shape=(2, 2, 1, 13))
+    indices = random_indices(index_shape, 13, 5, generator)
+    indices[..., 0] = indices[..., 1].clamp(min=0)  # a key listed twice in some rows: its values add
+    values = torch.randn(value_shape, generator=generator).to(torch.bfloat16)
+    dout = torch.randn(case["q"].shape, generator=generator).to(device, torch.bfloat16)
+    case = {n: t.to(device) if t is not None else None for n, t in case.items()}
+    if not with_bias:
+        case["bias"] = None
+    q, k, v = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    bias = None if case["bias"] is None else case["bias"].detach().requires_grad_()
+    listed = values.to(device).requires_grad_()
+    out = flash_dmattn_func(q, k, v, attn_bias=bias, attn_indices=indices.to(device), attn_indices_bias=listed)
+    leaves = [q, k, v, listed] + ([bias] if bias is not None else [])
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    # The same call with the dense bias (float32: the sum of bf16 values is exact there).
+    full = dense_of(indices, values, 13).to(device, torch.float32)
+    if bias is not None:
+        # The bias has a head per KV head; lists with a head per query head serve groups of 2.
+        full = full + bias.detach().float().repeat_interleave(full.shape[1] // bias.shape[1], dim=1)
+    full = full.detach().requires_grad_()
+    q2, k2, v2 = (case[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    expected = flash_dmattn_func(q2, k2, v2, attn_bias=full, attn_indices=indices.to(device))
+    expected_grads = torch.autograd.grad(expected, [q2, k2, v2, full], dout)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    for name, a, b in zip(("dq", "dk", "dv"), grads[:3], expected_grads[:3]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+    # d values: the dense gradient at each listed key, summed over the dims the values broadcast.
+    shape = torch.broadcast_shapes(indices.shape, values.shape)
+    idx = indices.to(device).long().expand(shape)
+    at_keys = torch.gather(expected_grads[3].expand(*shape[:3], 13), -1, idx.clamp(min=0)).masked_fill(idx < 0, 0)
+    reduce = tuple(d for d in range(3) if values.shape[d] == 1 and shape[d] > 1)
+    expected_values_grad = at_keys.sum(reduce, keepdim=True) if reduce else at_keys
+    torch.testing.assert_close(grads[3].float(), expected_values_grad.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_indexed_bias_errors_name_the_argument():
+    case = make_case(1, 4, 6, 2, 1, 8, dtype=torch.bfloat16)
+    q, k, v = case["q"], case["k"], case["v"]
+    indices = torch.tensor([[[[0, 3]]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'attn_indices_bias'.*expected attn_indices beside it"):
+        flash_dmattn_func(q, k, v, attn_indices_bias=torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'attn_indices_bias'.*list length \\(dim 3\\) of 2"):
+        flash_dmattn_func(q, k, v, attn_indices=indices, attn_indices_bias=torch.zeros(1, 1, 1, 3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="'attn_indices_bias'.*dtype"):
+        flash_dmattn_func(q, k, v, attn_indices=indices, attn_indices_bias=torch.zeros(1, 1, 1, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="'attn_indices_bias'.*expected 4 dims"):
+        flash_dmattn_func(q, k, v, attn_indices=indices, attn_indices_bias=torch.zeros(1, 2, dtype=torch.bfloat16))

@@ -8,7 +8,8 @@ Any model that dispatches through transformers' AttentionInterface then runs fla
 A model with a dynamic-mask bias (upstream's Doge example: bias = A * softplus(dt_proj(V)), of
 shape (B, Hk, 1, Sk)) passes it as the keyword `attention_bias`, and may pass `window_size` to keep
 only the top-k keys of the bias per row (create_mask), or its own key lists as the keyword
-`attention_indices` ((B|1, H|Hk|1, Sq|1, K) int, -1 pads; see masks.topk_key_indices).
+`attention_indices` ((B|1, H|Hk|1, Sq|1, K) int, -1 pads; see masks.topk_key_indices), with the
+bias of each listed key as `attention_indices_bias` if it has one.
 
 Packed batches (transformers' DataCollatorWithFlattening with return_flash_attn_kwargs=True, or
 any caller passing `cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q` and `max_length_k`, as
@@ -109,7 +110,8 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     query, key, value = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
     out = flash_dmattn_func(query, key, value, attn_mask=mask, attn_bias=_bias_in(attention_bias, dtype),
                             softmax_scale=scaling, is_causal=is_causal, softcap=softcap,
-                            deterministic=_deterministic(kwargs), attn_indices=kwargs.get("attention_indices"))
+                            deterministic=_deterministic(kwargs), attn_indices=kwargs.get("attention_indices"),
+                            attn_indices_bias=kwargs.get("attention_indices_bias"))
     return out, None
 
 
@@ -150,7 +152,7 @@ def _packed_attention(module, query, key, value, attention_bias, scaling, softca
     """A packed batch: q (1, H, total_q, D), k and v (1, Hk, total_k, D), offsets in kwargs.
     transformers' own mask for it (block-diagonal) says what the offsets say, so it is not read.
     Returns out (1, total_q, H, D)."""
-    if kwargs.get("attention_indices") is not None:
+    if kwargs.get("attention_indices") is not None or kwargs.get("attention_indices_bias") is not None:
         raise ValueError("flash_dmattn: argument 'attention_indices': key lists are not taken with a packed batch "
                          "(cu_seq_lens_q given); pass window_size, or unpack the batch")
     if query.shape[0] != 1:
