@@ -49,7 +49,8 @@ struct KeyLists {
   std::int64_t row_bits_stride = 0;         // words per list: chunks of room x block_m x block_n / 32
   std::int64_t batch_stride = 0, head_stride = 0;  // in lists; 0 where the mask broadcasts
   int head_divisor = 1;  // query heads per mask head
-  int capacity = 0;      // room per list: Sk keys
+  int capacity = 0;      // room per list: Sk keys, rounded up to a multiple of 4
+  int block_m = 0, block_n = 0;  // the tile the lists were built for: the kernel's (checked at launch)
 };
 
 // Head dims every kernel runs: multiples of 8 up to 256 (validation holds calls to this).

@@ -33,6 +33,10 @@ struct ListCase {
   int diagonal = 0;
   // Rows [empty_from, empty_from + block_m) keep nothing: a whole query tile with an empty list.
   std::int64_t empty_from = -1;
+  // Deterministic patterns instead of random keys where set: keep_every > 0 keeps key j iff
+  // j % keep_every == 0; keys [gap_from, gap_from + gap_keys) are kept by no row.
+  int keep_every = 0;
+  std::int64_t gap_from = -1, gap_keys = 0;
 };
 
 std::string describe(const ListCase& c) {
@@ -44,6 +48,7 @@ std::string describe(const ListCase& c) {
 template <typename T>
 std::vector<T> download(const void* device, std::size_t count, cudaStream_t stream) {
   std::vector<T> host(count);
+  if (count == 0) return host;
   cuda_check(cudaMemcpyAsync(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost, stream), "download");
   cuda_check(cudaStreamSynchronize(stream), "synchronize");
   return host;
@@ -63,10 +68,14 @@ class KeyListBuild : public GpuTest {
     for (std::int64_t bh = 0; bh < bhs; ++bh)
       for (std::int64_t i = 0; i < c.rows; ++i)
         for (std::int64_t j = 0; j < c.cols; ++j)
-          at(bh, i, j) = !(i >= c.empty_from && i < c.empty_from + c.block_m) && keep(rng);
+          at(bh, i, j) = !(i >= c.empty_from && i < c.empty_from + c.block_m) &&
+                         !(j >= c.gap_from && j < c.gap_from + c.gap_keys) &&
+                         (c.keep_every > 0 ? j % c.keep_every == 0 : keep(rng));
 
     DeviceBuffer mask(host.size());
-    cuda_check(cudaMemcpy(mask.data(), host.data(), host.size(), cudaMemcpyHostToDevice), "mask upload");
+    if (!host.empty()) {
+      cuda_check(cudaMemcpy(mask.data(), host.data(), host.size(), cudaMemcpyHostToDevice), "mask upload");
+    }
     MaskExtent me;
     me.ptr = static_cast<const std::uint8_t*>(mask.data());
     me.batches = c.batches, me.heads = c.heads, me.rows = c.rows, me.cols = c.cols;
@@ -147,6 +156,18 @@ TEST_F(KeyListBuild, ListsLongerThanAPass) {
   check({1, 2, 64, 17001, 64, 64, 0.4});
   check({1, 1, 128, 9000, 64, 128, 0.3, false, 0, 64});  // the second tile keeps nothing
   check({1, 1, 200, 9000, 128, 64, 0.02, false, 0, 64});
+}
+
+// A pass of 8192 keys holding a count that is not a multiple of 32 (its last word is completed by
+// the next pass), a pass in the middle that holds no key, and no keys at all.
+TEST_F(KeyListBuild, PassesEndingInsideAWordOrEmpty) {
+  ListCase every_third{1, 1, 64, 20000, 64, 128, 1.0};
+  every_third.keep_every = 3;
+  check(every_third);
+  ListCase gap{1, 2, 100, 30000, 64, 64, 0.5};
+  gap.gap_from = 5000, gap.gap_keys = 12000;
+  check(gap);
+  check({1, 1, 70, 0, 64, 128, 0.5});
 }
 
 TEST_F(KeyListBuild, CausalDiagonals) {

@@ -47,7 +47,9 @@ struct GatheredKeys {
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
   // Every copy stays inside the list: its room is a multiple of 4 keys and its row bits hold every
-  // chunk of Sk keys. Keys past the list's end are not copied (they are never read).
+  // chunk of Sk keys. Keys past the list's end are not copied (they are never read). Some copied
+  // words were never written by the build (keys up to the next multiple of 4, the row bits of rows
+  // past Sq and of positions past the list's end): apply() never lets them decide anything.
   __device__ __forceinline__ void stage(int c, int thread, int threads) const {
     using Vector = cute::uint128_t;
     std::uint32_t* dst = staged + (c % 2) * kStageWords;

@@ -158,6 +158,8 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   lists->batch_stride = e.batches == 1 ? 0 : e.heads * e.query_tiles();
   lists->head_divisor = e.head_divisor;
   lists->capacity = e.capacity();
+  lists->block_m = e.block_m;
+  lists->block_n = e.block_n;
   if (n == 0) return cudaSuccess;
   return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out);
 }

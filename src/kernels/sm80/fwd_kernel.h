@@ -22,6 +22,9 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using Traits = ForwardTraits<Element, kHeadDim>;
   // The gather path is a kernel of its own, so that its code does not weigh on the tile path's.
   if (!params.lists.keys) return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
+  // Lists built for another tile would have their row bits read at the wrong places (and past
+  // their end): the plan and this instantiation must agree.
+  if (params.lists.block_m != Traits::kBlockM || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   constexpr int kSmem = Traits::kSmemBytes + GatheredKeys<Traits::kBlockM, Traits::kBlockN>::kSmemBytes;
   return launch_query_tiles<kSmem>(&forward_kernel<Traits, KeySource::lists>, params, params, Traits::kBlockM,
                                    Traits::kNThreads, stream);
