@@ -202,6 +202,13 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic)
     if not _plain_eager((q, k, v, mask, bias)):
         return forward(*inputs)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
-        return _EagerAttention.apply(*inputs)
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))) or \
+            _forward_ad_active():
+        return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open: its dual tensors need not require grad, and the
+    plain forward would drop their tangents silently."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0

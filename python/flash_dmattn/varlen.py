@@ -10,6 +10,8 @@ in front are hidden by a key mask, and the query rows in front are dropped. The 
 are shifted to match. The padding costs what the padded batch costs. Kernels that read the packed
 layout directly are to replace it behind the same call.
 """
+import weakref
+
 import torch
 
 from .interface import flash_dmattn_func
@@ -35,11 +37,25 @@ def _offset_problems(cu_seqlens, lengths, total: int, max_seqlen: int) -> torch.
     return bad
 
 
+# Offset tensors that passed the check, by id: (the tensor, weakly; its version; total; max_seqlen).
+# A model's layers are called with the same offset tensors: only the first call reads them.
+_CHECKED = {}
+
+
+def _already_checked(cu_seqlens, total, max_seqlen) -> bool:
+    entry = _CHECKED.get(id(cu_seqlens))
+    return entry is not None and entry[0]() is cu_seqlens and entry[1:] == (cu_seqlens._version, total, max_seqlen)
+
+
 def _check_offsets(checks) -> None:
     """checks: (name, cu_seqlens, lengths, total, max_seqlen) per offset list. Reading values
     synchronizes with the GPU: one read for all of them, none while torch.compile traces or a CUDA
-    graph is captured; the message is made only when one fails."""
+    graph is captured, and none for offset tensors checked before and not modified since (the
+    tensor objects themselves, held weakly); the message is made only when one fails."""
     if torch.compiler.is_compiling() or any(c[1].is_cuda and torch.cuda.is_current_stream_capturing() for c in checks):
+        return
+    checks = [c for c in checks if not _already_checked(c[1], c[3], c[4])]
+    if not checks:
         return
     device = checks[0][1].device
     flags = torch.stack([_offset_problems(*c[1:]).to(device) for c in checks]).cpu()
@@ -51,6 +67,10 @@ def _check_offsets(checks) -> None:
                                            f"{cu_seqlens.tolist()}")
         _fail_varlen(ValueError, name, f"a sequence of {int(lengths.max())} tokens is longer than its "
                                        f"max_seqlen {max_seqlen}")
+    if len(_CHECKED) > 64:
+        _CHECKED.clear()
+    for _, cu_seqlens, _, total, max_seqlen in checks:
+        _CHECKED[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, total, max_seqlen)
 
 
 def _front_padding(lengths: torch.Tensor, width: int, total: int):

@@ -231,3 +231,36 @@ def test_eager_calls_skip_the_custom_op_and_fake_tensors_take_it():
         assert not torch_ops._plain_eager((fake, fake, fake, None, None))
         out, lse = torch_ops.attention(fake, fake, fake, None, None, None, False, 0.0, False)
         assert out.shape == q.shape and lse.shape == (1, 2, 4)
+
+
+def test_calls_that_need_no_gradient_skip_autograd_but_keep_every_gradient_asked_for(monkeypatch):
+    """torch_ops.attention calls the forward directly when no gradient can be asked for; wherever
+    one can (grad mode on and any of q, k, v, bias requiring it, or a forward-AD level open), the
+    autograd path runs."""
+    applied = []
+    apply = torch_ops._EagerAttention.apply
+    monkeypatch.setattr(torch_ops._EagerAttention, "apply", lambda *a: applied.append(1) or apply(*a))
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 5, 2, 8, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(1, 7, 1, 8, generator=generator).to(torch.bfloat16) for _ in range(2))
+    bias = torch.randn(1, 1, 1, 7, generator=generator).to(torch.bfloat16)
+
+    out = flash_dmattn_func(q, k, v, attn_bias=bias)
+    assert not out.requires_grad and applied == []
+    with torch.inference_mode():
+        assert torch.equal(flash_dmattn_func(q, k, v, attn_bias=bias), out) and applied == []
+    leaf = bias.clone().requires_grad_()
+    with torch.no_grad():
+        assert not flash_dmattn_func(q, k, v, attn_bias=leaf).requires_grad and applied == []
+    # Only the bias requires grad: the autograd path, and its gradient arrives.
+    grad_out = flash_dmattn_func(q, k, v, attn_bias=leaf)
+    assert torch.equal(grad_out, out) and applied == [1]
+    (dbias,) = torch.autograd.grad(grad_out.float().sum(), [leaf])
+    assert dbias.shape == bias.shape and dbias.abs().sum() > 0
+    # Dual tensors need not require grad: they take the autograd path, which refuses them loudly
+    # (no jvp) instead of dropping their tangents.
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError):
+            flash_dmattn_func(dual, k, v, attn_bias=bias)

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from flash_dmattn import attention_reference, create_mask, topk_key_indices  # noqa: E402
@@ -321,6 +321,48 @@ def test_packed_llama_matches_its_sequences_run_apart(device, monkeypatch):
     assert_rounded("logits", packed, apart)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_mistral_keeps_its_sliding_window(device):
+    """Mistral's window lives in transformers' mask, which the packed path does not read: the
+    `sliding_window` keyword must give it per sequence."""
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=NAME).to(device, torch.bfloat16)
+    ids = torch.randint(0, 128, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(6)).to(device)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device)
+    starts = (0,) + tuple(torch.tensor(LENGTHS).cumsum(0).tolist())
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, **_packed_keywords(device)).logits
+        apart = torch.cat([model(input_ids=ids[:, s:e]).logits for s, e in zip(starts[:-1], starts[1:])], dim=1)
+    assert_rounded("logits", packed, apart)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_queries_fewer_than_keys_align_bottom_right(device):
+    """cu_seq_lens_q != cu_seq_lens_k (a chunk of new queries per sequence over its keys): each
+    sequence's queries are its last keys, as in a call per sequence."""
+    lengths_q, lengths_k = (2, 4, 1), (5, 9, 3)
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, sum(lengths_q), 16, generator=generator).to(device, torch.bfloat16)
+    k, v = (torch.randn(1, 2, sum(lengths_k), 16, generator=generator).to(device, torch.bfloat16) for _ in range(2))
+    bias = torch.randn(1, 2, sum(lengths_k), generator=generator).to(device, torch.bfloat16)
+
+    def offsets(lengths):
+        return torch.tensor((0,) + tuple(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+    packed, _ = flash_dmattn_attention_forward(_Module(), q, k, v, None, attention_bias=bias, scaling=0.25,
+                                               cu_seq_lens_q=offsets(lengths_q), cu_seq_lens_k=offsets(lengths_k),
+                                               max_length_q=max(lengths_q), max_length_k=max(lengths_k))
+    pieces, sq, sk = [], 0, 0
+    for nq, nk in zip(lengths_q, lengths_k):
+        pieces.append(flash_dmattn_attention_forward(_Module(), q[:, :, sq:sq + nq], k[:, :, sk:sk + nk],
+                                                     v[:, :, sk:sk + nk], None, attention_bias=bias[..., sk:sk + nk],
+                                                     scaling=0.25)[0])
+        sq, sk = sq + nq, sk + nk
+    assert_rounded("out", packed, torch.cat(pieces, dim=1))
+
+
 def test_packed_batch_refuses_batches_and_key_lists():
     q, k, v, bias = _qkv_bias("cpu", seqlen_q=48)
     keywords = dict(cu_seq_lens_q=torch.tensor([0, 20, 48]), cu_seq_lens_k=torch.tensor([0, 20, 48]),
@@ -330,3 +372,7 @@ def test_packed_batch_refuses_batches_and_key_lists():
     with pytest.raises(ValueError, match="argument 'attention_indices'"):
         flash_dmattn_attention_forward(_Module(), q[:1], k[:1], v[:1], None,
                                        attention_indices=torch.zeros(1, 1, 48, 2, dtype=torch.int32), **keywords)
+    # A bias in another layout than over the packed tokens (here: 20 keys for 48 tokens).
+    with pytest.raises(ValueError, match="argument 'attention_bias'.*over its packed tokens"):
+        flash_dmattn_attention_forward(_Module(), q[:1], k[:1], v[:1], None, attention_bias=bias[:1, :, :20],
+                                       **keywords)

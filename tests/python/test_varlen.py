@@ -104,3 +104,20 @@ def test_bad_offsets_are_named():
     with pytest.raises(ValueError, match="attn_mask.*max_seqlen_q\\|1 = 4"):
         flash_dmattn_varlen_func(q, k, k, torch.tensor([0, 3, 6], dtype=torch.int32), good_k, 4, 4,
                                  attn_mask=torch.ones(2, 1, 3, 4, dtype=torch.bool))
+
+
+def test_offsets_are_read_once_until_they_change(monkeypatch):
+    """A model's layers pass the same offset tensors: only the first call reads them (a GPU wait
+    on CUDA); an in-place change is seen and checked again."""
+    import flash_dmattn.varlen as varlen
+    reads = []
+    problems = varlen._offset_problems
+    monkeypatch.setattr(varlen, "_offset_problems", lambda *a: reads.append(1) or problems(*a))
+    q = torch.zeros(6, 2, 8, dtype=torch.float16)
+    cu_q, cu_k = torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
+    for _ in range(3):
+        flash_dmattn_varlen_func(q, q, q, cu_q, cu_k, 3, 3)
+    assert len(reads) == 2  # once per offset tensor
+    cu_q[1] = 5  # a sequence of 5 tokens: longer than max_seqlen_q 3
+    with pytest.raises(ValueError, match="cu_seqlens_q.*longer than its max_seqlen 3"):
+        flash_dmattn_varlen_func(q, q, q, cu_q, cu_k, 3, 3)

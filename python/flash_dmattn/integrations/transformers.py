@@ -150,29 +150,43 @@ def _per_sequence(t: Optional[torch.Tensor], dim: int, cu_seqlens: torch.Tensor,
 def _packed_attention(module, query, key, value, attention_bias, scaling, softcap, window_size, is_causal,
                       kwargs) -> torch.Tensor:
     """A packed batch: q (1, H, total_q, D), k and v (1, Hk, total_k, D), offsets in kwargs.
-    transformers' own mask for it (block-diagonal) says what the offsets say, so it is not read.
-    Returns out (1, total_q, H, D)."""
+    transformers' own mask for it (block-diagonal) says what the offsets say, so it is not read;
+    a sliding window (kwargs["sliding_window"]) is applied per sequence. Other patterns that only
+    a mask would carry (chunked attention) are not. Returns out (1, total_q, H, D)."""
     if kwargs.get("attention_indices") is not None or kwargs.get("attention_indices_bias") is not None:
         raise ValueError("flash_dmattn: argument 'attention_indices': key lists are not taken with a packed batch "
                          "(cu_seq_lens_q given); pass window_size, or unpack the batch")
     if query.shape[0] != 1:
         raise ValueError("flash_dmattn: argument 'query': a packed batch (cu_seq_lens_q given) holds its sequences "
                          f"in one row, expected batch 1, got {query.shape[0]}")
+    total_q, total_k = query.shape[2], key.shape[2]
+    if attention_bias is not None and (attention_bias.shape[0] != 1 or attention_bias.shape[2] not in (1, total_q) or
+                                       attention_bias.shape[3] not in (1, total_k)):
+        raise ValueError("flash_dmattn: argument 'attention_bias': a packed batch's bias lies over its packed tokens, "
+                         f"expected (1, H|Hk|1, 1|{total_q}, 1|{total_k}), got {tuple(attention_bias.shape)}")
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
     bias = _per_sequence(_per_sequence(attention_bias, 2, cu_q, max_q), 3, cu_k, max_k)
+    # The mask transformers builds is not read, so what it would add to the packing is built here
+    # per sequence: a sliding window (Mistral, Qwen2, Gemma pass `sliding_window`), and the top-k.
+    sliding_window = kwargs.get("sliding_window")
+    top_k = bias is not None and window_size is not None and max_k > window_size
     mask = None
-    if bias is not None and window_size is not None and max_k > window_size:
-        # The top-k of each row chooses among the keys its own sequence lets it see.
+    if sliding_window is not None or top_k:
         lengths_q = (cu_q[1:] - cu_q[:-1]).to(query.device, torch.long)[:, None, None, None]
         lengths_k = (cu_k[1:] - cu_k[:-1]).to(query.device, torch.long)[:, None, None, None]
         rows = torch.arange(max_q, device=query.device)[:, None]
         cols = torch.arange(max_k, device=query.device)[None, :]
-        visible = cols < lengths_k
+        diagonal = rows + lengths_k - lengths_q  # query i's own position among its sequence's keys
+        mask = cols < lengths_k
         if is_causal:
-            visible = visible & (cols <= rows + lengths_k - lengths_q)
-        mask = create_mask(bias, visible, lengths_q.shape[0], max_q, max_k, window_size,
-                           torch.finfo(bias.dtype).min, block_size=kwargs.get("block_size"))
+            mask = mask & (cols <= diagonal)
+        if sliding_window is not None:
+            mask = mask & (cols > diagonal - sliding_window)  # transformers' sliding_window_overlay
+        if top_k:
+            # The top-k of each row chooses among the keys its own sequence lets it see.
+            mask = create_mask(bias, mask, lengths_q.shape[0], max_q, max_k, window_size,
+                               torch.finfo(bias.dtype).min, block_size=kwargs.get("block_size"))
     dtype = _compute_dtype(module, query)
     query, key, value = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
     out = flash_dmattn_varlen_func(query, key, value, cu_q, cu_k, max_q, max_k, attn_mask=mask,
