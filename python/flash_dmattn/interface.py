@@ -47,7 +47,7 @@ def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_
                                         f"shape {_shape(t)} (layout {layout})")
 
 
-def _check_types(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
+def _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias=None) -> None:
     _check_tensor("query", query, 4, "(B, Sq, H, D)")
     _check_tensor("key", key, 4, "(B, Sk, Hk, D)")
     _check_tensor("value", value, 4, "(B, Sk, Hk, D)")
@@ -56,6 +56,8 @@ def _check_types(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
             _check_tensor(name, t, 4, "(B|1, H|Hk|1, Sq|1, Sk|1)")
     if attn_indices is not None:
         _check_tensor("attn_indices", attn_indices, 4, "(B|1, H|Hk|1, Sq|1, K)")
+    if attn_indices_bias is not None:
+        _check_tensor("attn_indices_bias", attn_indices_bias, 4, "(B|1, H|Hk|1, Sq|1, K), aligned with attn_indices")
 
 
 def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> None:
@@ -67,11 +69,10 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
         if t.dtype != query.dtype:
             _fail(TypeError, name, f"expected the dtype of query ({query.dtype}), got {t.dtype}")
     for name, t in (("key", key), ("value", value)):
-        if t.device != query.device:
-            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+        _check_device(name, t, query)
     _check_mask_bias_types(query, attn_mask, attn_bias)
-    if attn_indices is not None and attn_indices.device != query.device:
-        _fail(ValueError, "attn_indices", f"expected the device of query ({query.device}), got {attn_indices.device}")
+    if attn_indices is not None:
+        _check_device("attn_indices", attn_indices, query)
     batch, seqlen_q, heads, head_dim = query.shape
     seqlen_k, kv_heads = key.shape[1], key.shape[2]
     if not 0 < head_dim <= _MAX_HEAD_DIM:
@@ -88,16 +89,25 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
             _check_broadcast(name, t, batch, heads, kv_heads, seqlen_q, seqlen_k)
 
 
+def _check_device(argument: str, t: torch.Tensor, query) -> None:
+    if t.device != query.device:
+        _fail(ValueError, argument, f"expected the device of query ({query.device}), got {t.device}")
+
+
+def _check_bias_dtype(argument: str, t: torch.Tensor, query) -> None:
+    if t.dtype not in (query.dtype, torch.float32):
+        _fail(TypeError, argument, f"expected the dtype of query ({query.dtype}) or torch.float32, got {t.dtype}")
+
+
 def _check_mask_bias_types(query, attn_mask, attn_bias) -> None:
     """Devices and dtypes of mask and bias (their shapes depend on the call)."""
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
-        if t is not None and t.device != query.device:
-            _fail(ValueError, name, f"expected the device of query ({query.device}), got {t.device}")
+        if t is not None:
+            _check_device(name, t, query)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         _fail(TypeError, "attn_mask", f"expected dtype torch.bool (True keeps a key), got {attn_mask.dtype}")
-    if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
-        _fail(TypeError, "attn_bias", f"expected the dtype of query ({query.dtype}) or torch.float32, got "
-                                      f"{attn_bias.dtype}")
+    if attn_bias is not None:
+        _check_bias_dtype("attn_bias", attn_bias, query)
 
 
 def _check_indices(attn_indices, query, key) -> None:
@@ -122,31 +132,29 @@ def _check_indices(attn_indices, query, key) -> None:
                                               f"{int(attn_indices[first])} at {first}")
 
 
-def _indices_mask(attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    """The bool mask (.., Sq|1, Sk) of key lists: key j is kept in a row that lists it (once or more).
-
-    Padding (-1) and any out-of-range entry land in an extra column that is cut off, so nothing is
-    written out of bounds even where the values were not checked.
-    """
+def _listed_columns(attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The column each list entry writes to: its key, or Sk (one past the keys, cut off after) for
+    padding (-1) and any out-of-range entry, so that nothing is written out of bounds even where
+    the values were not checked."""
     idx = attn_indices.long()
-    idx = torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k)
+    return torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k)
+
+
+def _indices_mask(columns: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The bool mask (.., Sq|1, Sk) of key lists (as _listed_columns): key j is kept in a row that
+    lists it (once or more)."""
     # Rows of a multiple of 16 bytes: the CUDA summary reads aligned rows as 16-byte vectors.
     width = (seqlen_k + 1 + 15) // 16 * 16
-    mask = torch.zeros(*idx.shape[:-1], width, dtype=torch.bool, device=idx.device)
-    return mask.scatter_(-1, idx, True)[..., :seqlen_k]
+    mask = torch.zeros(*columns.shape[:-1], width, dtype=torch.bool, device=columns.device)
+    return mask.scatter_(-1, columns, True)[..., :seqlen_k]
 
 
 def _check_indexed_bias(attn_indices_bias, attn_indices, query) -> None:
     """attn_indices_bias: one bias value per listed key, laid out as attn_indices."""
     if attn_indices is None:
         _fail(ValueError, "attn_indices_bias", "expected attn_indices beside it (its values follow their lists)")
-    _check_tensor("attn_indices_bias", attn_indices_bias, 4, "(B|1, H|Hk|1, Sq|1, K), aligned with attn_indices")
-    if attn_indices_bias.device != query.device:
-        _fail(ValueError, "attn_indices_bias", f"expected the device of query ({query.device}), got "
-                                               f"{attn_indices_bias.device}")
-    if attn_indices_bias.dtype not in (query.dtype, torch.float32):
-        _fail(TypeError, "attn_indices_bias", f"expected the dtype of query ({query.dtype}) or torch.float32, got "
-                                              f"{attn_indices_bias.dtype}")
+    _check_device("attn_indices_bias", attn_indices_bias, query)
+    _check_bias_dtype("attn_indices_bias", attn_indices_bias, query)
     try:
         torch.broadcast_shapes(attn_indices_bias.shape[:-1], attn_indices.shape[:-1])
     except RuntimeError:
@@ -170,13 +178,12 @@ def _same_heads(a: torch.Tensor, b: torch.Tensor, group: int):
     return a, b
 
 
-def _indexed_bias(attn_indices_bias: torch.Tensor, attn_indices: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    """The bias (.., Sk) that per-key values of key lists stand for: each listed key gets its value
-    (a key listed twice, the sum of its values), every other key 0. Autograd returns the gradient
-    of each listed entry (0 for padding) in attn_indices_bias's shape."""
-    shape = torch.broadcast_shapes(attn_indices_bias.shape, attn_indices.shape)
-    idx = attn_indices.long()
-    idx = torch.where((idx >= 0) & (idx < seqlen_k), idx, seqlen_k).expand(shape)
+def _indexed_bias(attn_indices_bias: torch.Tensor, columns: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The bias (.., Sk) that per-key values of key lists (as _listed_columns) stand for: each
+    listed key gets its value (a key listed twice, the sum of its values), every other key 0.
+    Autograd returns the gradient of each listed entry (0 for padding) in attn_indices_bias's shape."""
+    shape = torch.broadcast_shapes(attn_indices_bias.shape, columns.shape)
+    idx = columns.expand(shape)
     dense = attn_indices_bias.new_zeros(*shape[:-1], seqlen_k + 1)
     return dense.scatter_add(-1, idx, attn_indices_bias.expand(shape))[..., :seqlen_k]
 
@@ -188,20 +195,20 @@ def _check_options(softmax_scale, softcap) -> None:
         _fail(ValueError, "softcap", f"expected a finite value >= 0 (0 turns it off), got {softcap}")
 
 
-def _autocast(query, key, value, attn_bias):
+def _autocast(query, key, value, *biases):
     """Under torch.autocast, q, k and v run in the autocast dtype, as a matmul would.
 
-    A float32 bias stays as it is (the kernels read it at full precision); a bias of another
-    dtype follows q. Autograd returns each gradient in its tensor's own dtype.
+    A float32 bias (attn_bias, attn_indices_bias) stays as it is (the kernels read it at full
+    precision); a bias of another dtype follows q. Autograd returns each gradient in its tensor's
+    own dtype. Returns (query, key, value, *biases).
     """
     device_type = query.device.type
     if not torch.is_autocast_enabled(device_type):
-        return query, key, value, attn_bias
+        return (query, key, value, *biases)
     dtype = torch.get_autocast_dtype(device_type)
     query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
-    if attn_bias is not None and attn_bias.dtype not in (dtype, torch.float32):
-        attn_bias = attn_bias.to(dtype)
-    return query, key, value, attn_bias
+    return (query, key, value, *(b.to(dtype) if b is not None and b.dtype not in (dtype, torch.float32) else b
+                                 for b in biases))
 
 
 def _compact_broadcast(t: torch.Tensor) -> torch.Tensor:
@@ -268,29 +275,27 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
     """
-    _check_types(query, key, value, attn_mask, attn_bias, attn_indices)
-    query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
+    _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias)
+    query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
     _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
         _check_indices(attn_indices, query, key)
     if attn_indices_bias is not None:
-        if (isinstance(attn_indices_bias, torch.Tensor) and attn_indices_bias.dtype not in (query.dtype, torch.float32)
-                and torch.is_autocast_enabled(query.device.type)):
-            attn_indices_bias = attn_indices_bias.to(query.dtype)  # as _autocast does for attn_bias
         _check_indexed_bias(attn_indices_bias, attn_indices, query)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
 
     if attn_indices is not None:
-        listed = _indices_mask(attn_indices, key.shape[1])
+        columns = _listed_columns(attn_indices, key.shape[1])
+        listed = _indices_mask(columns, key.shape[1])
         if attn_mask is not None:
             attn_mask = _compact_broadcast(attn_mask)
         if attn_mask is not None:
             attn_mask, listed = _same_heads(attn_mask, listed, query.shape[2] // key.shape[2])
         attn_mask = listed if attn_mask is None else attn_mask & listed
     if attn_indices_bias is not None:
-        listed_bias = _indexed_bias(attn_indices_bias, attn_indices, key.shape[1])
+        listed_bias = _indexed_bias(attn_indices_bias, columns, key.shape[1])
         if attn_bias is not None:
             attn_bias, listed_bias = _same_heads(attn_bias, listed_bias, query.shape[2] // key.shape[2])
         attn_bias = listed_bias if attn_bias is None else attn_bias + listed_bias

@@ -83,17 +83,24 @@ def _front_padding(lengths: torch.Tensor, width: int, total: int):
     return batch * width + front[batch] + position, front
 
 
-def _shift(t, dim: int, front: torch.Tensor, batch: int):
+def gather_positions(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """t (B|1, heads, rows, cols) read along dim (2 or 3) at per-sequence positions: index (B, width)
+    holds sequence b's positions; the result is (B, heads, .., width, ..)."""
+    batch, width = index.shape
+    shape = list(t.shape)
+    shape[0], shape[dim] = batch, width
+    view = [batch, 1, 1, 1]
+    view[dim] = width
+    return torch.gather(t.expand(batch, *t.shape[1:]), dim, index.view(view).expand(shape))
+
+
+def _shift(t, dim: int, front: torch.Tensor):
     """t (B|1, heads, rows, cols) with dim 2 or 3 moved back by each sequence's front padding: padded
     position p reads position p - front[b] (clamped to 0 in front, where nothing reads it)."""
     if t is None or t.size(dim) == 1:
         return t
     width = t.size(dim)
-    source = (torch.arange(width, device=front.device)[None, :] - front[:, None]).clamp(min=0)  # (B, width)
-    shape = [batch, 1, 1, 1]
-    shape[dim] = width
-    index = source.view(shape).expand(*[batch if d == 0 else t.size(d) if d != dim else width for d in range(4)])
-    return torch.gather(t.expand(batch, *t.shape[1:]), dim, index)
+    return gather_positions(t, dim, (torch.arange(width, device=front.device)[None, :] - front[:, None]).clamp(min=0))
 
 
 def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -153,8 +160,8 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
                                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     mask = keys_kept
     if attn_mask is not None:
-        mask = _shift(_shift(attn_mask, 2, front_q, batch), 3, front_k, batch) & keys_kept
-    bias = _shift(_shift(attn_bias, 2, front_q, batch), 3, front_k, batch) if attn_bias is not None else None
+        mask = _shift(_shift(attn_mask, 2, front_q), 3, front_k) & keys_kept
+    bias = _shift(_shift(attn_bias, 2, front_q), 3, front_k) if attn_bias is not None else None
     out, lse, _ = flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, softmax_scale=softmax_scale,
                                     is_causal=is_causal, softcap=softcap, deterministic=deterministic,
                                     return_attn_probs=True)

@@ -33,8 +33,9 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..varlen import gather_positions
 from .flops import gather_tiles, kernel_tiles
-from .problem import Problem, causal_keep
+from .problem import Problem, causal_keep, front_padding
 from .suites import Case
 
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # a RuntimeError: catch it first
@@ -189,9 +190,8 @@ class _Sequences:
     def __init__(self, case: Case, device: torch.device):
         self.case, self.width = case, case.seqlen_k
         self.lengths = torch.tensor(case.lengths, device=device)
-        self.front = self.width - self.lengths                                          # (B,)
+        self.front, self.real = front_padding(case, device)                              # (B,), (B, S)
         positions = torch.arange(self.width, device=device)[None, :]
-        self.real = positions >= self.front[:, None]                                     # (B, S)
         self.tokens = self.real.flatten().nonzero().squeeze(1)    # padded rows of the packed tokens, in order
         self.from_start = (positions + self.front[:, None]).clamp(max=self.width - 1)    # own position -> padded
         self.to_padded = (positions - self.front[:, None]).clamp(min=0)                  # padded -> own position
@@ -210,13 +210,11 @@ class _Sequences:
         padded (False or 0) to `width` keys."""
         if t is None:
             return None
-        moved = torch.gather(t, 3, self.from_start[:, None, None, :].expand(t.shape))
-        return F.pad(moved, (0, width - self.width))
+        return F.pad(gather_positions(t, 3, self.from_start), (0, width - self.width))
 
     def keys_padded(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of keys_from_start (for a bias gradient): zero in the padding."""
-        t = t[..., :self.width]
-        moved = torch.gather(t, 3, self.to_padded[:, None, None, :].expand(t.shape))
+        moved = gather_positions(t[..., :self.width], 3, self.to_padded)
         return moved.masked_fill(~self.real[:, None, None, :], 0)
 
 

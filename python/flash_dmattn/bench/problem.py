@@ -32,13 +32,18 @@ def causal_keep(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
     return past_diagonal(seqlen_q, seqlen_k, device) <= 0
 
 
+def front_padding(case: Case, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For a case with lengths: each sequence's front padding (B,) and its own positions (B, Sk)
+    bool, sequence b filling the last lengths[b] positions."""
+    front = case.seqlen_k - torch.tensor(case.lengths, device=device)
+    return front, torch.arange(case.seqlen_k, device=device)[None, :] >= front[:, None]
+
+
 def build_mask(case: Case, bias: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """The case's mask, materialized per batch and KV head as a model's dynamic mask would be."""
     shape = (case.batch, case.kv_heads, case.seqlen_q, case.seqlen_k)
     if case.lengths:
-        # Each sequence fills the last lengths[b] key positions (front padding): keep those.
-        front = case.seqlen_k - torch.tensor(case.lengths, device=device)
-        keep = torch.arange(case.seqlen_k, device=device)[None, :] >= front[:, None]
+        keep = front_padding(case, device)[1]  # each sequence's own keys
         return keep[:, None, None, :].expand(case.batch, case.kv_heads, 1, case.seqlen_k).contiguous()
     if case.mask == "none":
         return None

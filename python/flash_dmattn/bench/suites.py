@@ -12,7 +12,7 @@ mask of shape (B, Hk, Sq, Sk) (decode: (B, Hk, 1, Sk)) that every implementation
 A case with `lengths` is a batch of sequences of those lengths (serving suite), laid out as the
 padded batch: sequence b fills the last lengths[b] positions of q, k and v (front padding keeps
 the bottom-right causal limit each sequence's own), and its mask, (B, Hk, 1, Sk), keeps the keys
-of each sequence ("all_true") or none of them ("none" is not allowed there). Such a case must be
+of each sequence (mask kind "all_true", the only one such a case takes). Such a case must be
 causal or have one query row, so that the padding's query rows see no key. The packed and paged
 implementations (impls.py) take the same problem in their own layouts.
 

@@ -23,7 +23,7 @@ import torch
 
 from ..interface import flash_dmattn_func
 from ..masks import create_mask
-from ..varlen import flash_dmattn_varlen_func
+from ..varlen import flash_dmattn_varlen_func, gather_positions
 
 # The keywords in which transformers hands a packed batch's offsets to flash-attention backends.
 PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -135,16 +135,14 @@ def _per_sequence(t: Optional[torch.Tensor], dim: int, cu_seqlens: torch.Tensor,
     Positions past a sequence's length read its last token or beyond; the kernels never read them."""
     if t is None or t.size(dim) == 1:
         return t
-    batch, total = cu_seqlens.numel() - 1, t.size(dim)
-    shape = list(t.shape)
-    shape[0], shape[dim] = batch, width
+    total = t.size(dim)
     if total == 0:
+        shape = list(t.shape)
+        shape[0], shape[dim] = cu_seqlens.numel() - 1, width
         return t.new_zeros(shape)
     index = (cu_seqlens[:-1, None].to(t.device, torch.long) + torch.arange(width, device=t.device)[None, :]).clamp(
         max=total - 1)
-    view = [batch, 1, 1, 1]
-    view[dim] = width
-    return torch.gather(t.expand(batch, *t.shape[1:]), dim, index.view(view).expand(shape))
+    return gather_positions(t, dim, index)
 
 
 def _packed_attention(module, query, key, value, attention_bias, scaling, softcap, window_size, is_causal,
