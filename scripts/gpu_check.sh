@@ -15,7 +15,8 @@
 # narrows them). Every sm_80+ GPU runs the suite once more with FLASH_DMATTN_SPARSE_PATH=gather
 # (GPU_GATHER_FILTER narrows it).
 # GATHER_PROFILE=1 also prints the per-kernel durations of the gather path's forward against the
-# tile path's (ncu) for the scattered-key benchmark workloads.
+# tile path's (ncu) for the scattered-key benchmark workloads, both paths' forward and backward
+# times, and the gather backward's kernel durations.
 # PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
 # (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
 # it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
@@ -141,6 +142,18 @@ if [ -n "${GATHER_PROFILE:-}" ]; then
         --only "$workload" 2>&1 | grep -E "^  [A-Za-z_]|gpu__time_duration" | sed -E 's/\(.*//' | cut -c1-100
     done
   done | tee "$LOGS/gather_profile.txt"
+  # Forward and backward times of both paths (the deterministic backward stays on the tile path),
+  # then the backward's kernels one by one.
+  for workload in seed_scatter1024_d32_s16k train_scatter2048_d128; do
+    for path in tile gather; do
+      echo "--- $workload, FLASH_DMATTN_SPARSE_PATH=$path (forward and backward)"
+      FLASH_DMATTN_SPARSE_PATH=$path timeout 120 build-gpu/flash_dmattn_bench_forward --runs 20 --only "$workload" 2>&1 | tail -3
+    done
+    echo "--- $workload, FLASH_DMATTN_SPARSE_PATH=gather (backward kernel durations)"
+    FLASH_DMATTN_SPARSE_PATH=gather timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --launch-skip 60 --launch-count 8 build-gpu/flash_dmattn_bench_forward --runs 10 --only "$workload" 2>&1 |
+      grep -E "^  [A-Za-z_]|gpu__time_duration" | sed -E 's/\(.*//' | cut -c1-100
+  done | tee -a "$LOGS/gather_profile.txt"
   save_logs
 fi
 

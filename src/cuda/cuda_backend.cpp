@@ -111,9 +111,10 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
 // Hopper GPU); unset or "auto" picks sm90a wherever it can run.
 enum class KernelFamily { sm80, sm90a };
 constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
-// The forward's way through a masked call: "tile" (the default) walks the key tiles the tile
-// summary leaves active; "gather" computes only the keys some row of a query tile keeps, from
-// per-tile key lists (sm80 kernels; docs/architecture.md). The backward takes the tile path.
+// The way through a masked call: "tile" (the default) walks the key tiles the tile summary
+// leaves active; "gather" computes only the keys some row of a query tile keeps, from per-tile
+// key lists (sm80 kernels; docs/architecture.md), in the forward and, where gather_backward()
+// allows, the backward.
 constexpr const char* kSparsePathVariable = "FLASH_DMATTN_SPARSE_PATH";
 
 // Whether the forward takes the gather path; a value that is neither tile nor gather sets *error.
@@ -189,28 +190,39 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
   return KernelFamily::sm80;
 }
 
+// The gather path needs keys to choose and rows that choose them: a mask with a key dim and a row
+// per query. (A mask with one row for every query would give every query tile the same list, yet
+// each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.)
+bool gather_applies(const std::optional<TensorView>& mask) {
+  return mask && mask->shape[3] != 1 && mask->shape[2] != 1 && gather_requested();
+}
+
+// The key lists of a call's mask, for a kernel whose tiles are block_m query rows by block_n keys.
+kernels::KeyListExtent list_extent(const TensorView& mask, const Problem& p, int block_m, int block_n) {
+  kernels::KeyListExtent e;
+  e.batches = mask.shape[0];
+  e.heads = mask.shape[1];
+  e.seqlen_q = static_cast<int>(p.seqlen_q);
+  e.seqlen_k = static_cast<int>(p.seqlen_k);
+  e.block_m = block_m;
+  e.block_n = block_n;
+  e.head_divisor = static_cast<int>(p.heads / mask.shape[1]);
+  e.causal = p.causal;
+  e.diagonal = static_cast<int>(p.seqlen_k - p.seqlen_q);
+  return e;
+}
+
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
-  // The gather path needs keys to choose and rows that choose them: a mask with a key dim and a
-  // row per query. (A mask with one row for every query would give every query tile the same
-  // list, yet each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.) Its lists are per query
-  // tile of one mask head, so it neither packs GQA heads nor splits the keys.
-  if (a.mask && a.mask->shape[3] != 1 && a.mask->shape[2] != 1 && gather_requested()) {
+  // The gather path's lists are per query tile of one mask head, so it neither packs GQA heads
+  // nor splits the keys.
+  if (gather_applies(a.mask)) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
-    kernels::KeyListExtent& e = plan.lists;
-    e.batches = a.mask->shape[0];
-    e.heads = a.mask->shape[1];
-    e.seqlen_q = static_cast<int>(p.seqlen_q);
-    e.seqlen_k = static_cast<int>(p.seqlen_k);
     const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
-    e.block_m = tile.block_m;
-    e.block_n = tile.block_n;
-    e.head_divisor = static_cast<int>(p.heads / a.mask->shape[1]);
-    e.causal = p.causal;
-    e.diagonal = static_cast<int>(p.seqlen_k - p.seqlen_q);
-    plan.lists_bytes = kernels::key_lists_bytes(e);
+    plan.lists = list_extent(*a.mask, p, tile.block_m, tile.block_n);
+    plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     return plan;
   }
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
@@ -262,25 +274,55 @@ bool dq_in_own_kernel(const BackwardArgs& a, const Problem& p) {
 }
 
 // How a backward runs: the kernel family, the grid (one CTA per key tile, or in deterministic
-// mode key_splits CTAs striding over them), how dbias is produced, and the workspace layout that
-// follows: [tile summary][Δ][dq accumulators][dbias accumulators].
+// mode key_splits CTAs striding over them; on the gather path one per query tile), how dbias is
+// produced, and the workspace layout that follows: [tile summary][Δ][dq accumulators][dbias
+// accumulators][dK and dV accumulators][key lists].
 struct BackwardPlan {
   KernelFamily family = KernelFamily::sm80;
   int key_tiles = 0;
   int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
   int dq_slots = 1;
   bool separate_dq = false;  // dQ by the sm90a dQ kernel: no dq slots (BackwardParams::separate_dq)
+  bool gather = false;       // the gather path: key lists, dQ per query tile, dK and dV by reductions
+  kernels::KeyListExtent lists;
   kernels::BiasGrad dbias;  // everything but the pointers
   std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
+  std::size_t dkv_accum_bytes = 0, lists_bytes = 0;  // dkv: dK's and dV's accumulators, each this size
 
-  std::size_t workspace_bytes() const {
+  std::size_t dkv_offset() const {
     return align_up(summary_bytes) + align_up(dsum_bytes) + align_up(dq_accum_bytes) + align_up(dbias_accum_bytes);
   }
+  std::size_t lists_offset() const { return dkv_offset() + 2 * align_up(dkv_accum_bytes); }
+  std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
+
+// Whether a backward takes the gather path (FLASH_DMATTN_SPARSE_PATH=gather): where the forward
+// would, but not in deterministic mode (its dK, dV and dBias reductions arrive in any order), past
+// head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
+bool gather_backward(const BackwardArgs& a, const Problem& p) {
+  if (!gather_applies(a.mask) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
+  int available = 0;
+  if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return needed > 0 && needed <= available;
+}
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
-  plan.family = choose_family(p, arch, Pass::backward);
+  if (gather_backward(a, p)) {
+    plan.gather = true;
+    plan.family = KernelFamily::sm80;
+    const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
+    plan.lists = list_extent(*a.mask, p, tile.block_m, tile.block_n);
+    plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
+    plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
+    plan.dq_slots = 0;  // every query tile's CTA writes its dQ (gather_backward() ruled deterministic mode out)
+  } else {
+    plan.family = choose_family(p, arch, Pass::backward);
+  }
   const int head_dim = static_cast<int>(p.head_dim);
   const int block_n = plan.family == KernelFamily::sm90a ? kernels::sm90::backward_tile(head_dim).block_n
                                                           : kernels::sm80::backward_tile(head_dim).block_n;
@@ -330,7 +372,8 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   const bool kv_shared = bias_heads < p.kv_heads;
   const bool grid_empty = p.batch == 0 || p.heads == 0 || plan.key_tiles == 0;
   const bool heads_in_cta = bias_heads != p.heads && p.group_size() > 1;
-  g.direct = keys && !grid_empty && !batch_shared && !kv_shared &&
+  // On the gather path every query tile adds to the keys it gathers: always reductions.
+  g.direct = keys && !grid_empty && !batch_shared && !kv_shared && !plan.gather &&
              (g.kind == kernels::BiasGradKind::columns || !heads_in_cta);
   if (g.direct) return plan;
   if (p.deterministic && keys) {
@@ -537,14 +580,23 @@ class CudaSm80Backend final : public BackendImpl {
     params.dq_accum = reinterpret_cast<float*>(workspace + offset);
     offset += align_up(plan.dq_accum_bytes);
     params.dbias.accum = reinterpret_cast<float*>(workspace + offset);
+    params.dk_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset());
+    params.dv_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset() + align_up(plan.dkv_accum_bytes));
 
     if (a.mask) {
       const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
                                                         &params.fwd.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
+    if (plan.gather) {
+      const cudaError_t e = kernels::build_key_lists(plan.lists, params.fwd.summary, workspace + plan.lists_offset(),
+                                                     stream, &params.fwd.lists);
+      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+    }
     for (auto [bytes, where] : {std::make_pair(plan.dq_accum_bytes, static_cast<void*>(params.dq_accum)),
-                                std::make_pair(plan.dbias_accum_bytes, static_cast<void*>(params.dbias.accum))}) {
+                                std::make_pair(plan.dbias_accum_bytes, static_cast<void*>(params.dbias.accum)),
+                                std::make_pair(plan.dkv_accum_bytes, static_cast<void*>(params.dk_accum)),
+                                std::make_pair(plan.dkv_accum_bytes, static_cast<void*>(params.dv_accum))}) {
       if (bytes == 0) continue;
       const cudaError_t e = cudaMemsetAsync(where, 0, bytes, stream);
       if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);
@@ -556,7 +608,10 @@ class CudaSm80Backend final : public BackendImpl {
       e = sm90a ? kernels::sm90::backward(params, stream) : kernels::sm80::backward(params, stream);
       if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a backward launch" : "the sm80 backward launch", e);
     }
-    if (!plan.separate_dq) {
+    if (plan.gather) {
+      e = kernels::reduce_dk_dv(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the dk/dv reduction launch", e);
+    } else if (!plan.separate_dq) {
       e = kernels::reduce_dq(params, stream);
       if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);
     }

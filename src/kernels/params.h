@@ -78,7 +78,7 @@ struct ForwardParams {
   BroadcastOperand mask;  // bytes, nonzero keeps a key
   BroadcastOperand bias;
   TileSummary summary;
-  KeyLists lists;  // the gather path's (forward, sm80 kernels); keys == nullptr otherwise
+  KeyLists lists;  // the gather path's (sm80 kernels); keys == nullptr otherwise
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 1.f;
@@ -149,6 +149,11 @@ struct BackwardParams {
   // into. Otherwise one CTA per key tile, all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
+  // The gather path (fwd.lists set, sm80 kernels): a CTA per query tile keeps dQ in registers and
+  // writes it once; dK and dV of the keys it gathers go by reductions into these fp32
+  // accumulators, (B, Hk, Sk, head_dim), zeroed by the host; reduce_dk_dv() writes them out.
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
   // dQ comes from a kernel of its own (sm90a, bwd_dq_mainloop.h), a CTA per query tile that sums
   // it in registers over the key tiles: the key-tile kernel leaves dQ out, and there are no dq
   // slots (dq_slots = 0) and no reduction.

@@ -102,7 +102,8 @@ def test_kernel_tiles_follow_tile_size_h():
 
 
 def test_gather_tiles_count_the_union_of_each_query_tile():
-    assert flops.gather_tiles(32) == {"fwd": (64, 1), "bwd": (64, 128)}
+    assert flops.gather_tiles(32) == {"fwd": (64, 1), "bwd": (64, 1)}
+    assert flops.gather_tiles(128) == {"fwd": (64, 1), "bwd": (64, 1)}
     assert flops.gather_tiles(256) == {"fwd": (128, 1), "bwd": (64, 64)}
     # Two query tiles of 2 rows over 6 keys: the first tile's rows see keys {0, 3} and {3, 5}
     # (union 3 keys), the second's none and {1} (union 1 key).
@@ -415,6 +416,7 @@ def test_rotation_and_median_timing(monkeypatch):
 
 
 def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
+    # Forwards and backwards alike: the harness runs every call and gradient in runner.scope().
     torch = pytest.importorskip("torch")
     import flash_dmattn.interface as interface
     from flash_dmattn.bench.impls import IMPLEMENTATIONS, OursGather
@@ -431,9 +433,15 @@ def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
                         lambda *a, **k: seen.append(os.environ.get("FLASH_DMATTN_SPARSE_PATH")) or real(*a, **k))
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
     runner = gather.runner(make_problem(case, torch.bfloat16, torch.device("cpu")), grad=False)
-    assert "forward: gather path" in runner.notes
-    runner.call(*runner.inputs)
+    assert "gather path" in runner.notes
+    with runner.scope():
+        runner.call(*runner.inputs)
+        assert os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"
     assert seen == ["gather"] and "FLASH_DMATTN_SPARSE_PATH" not in os.environ
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "tile")
+    with runner.scope():
+        pass
+    assert os.environ["FLASH_DMATTN_SPARSE_PATH"] == "tile"
 
 
 def test_serving_suite_cases():

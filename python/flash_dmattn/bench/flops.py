@@ -34,9 +34,12 @@ def gather_tiles(head_dim: int) -> Dict[str, Tuple[int, int]]:
     """The gather path's work as tiles: its forward computes, per query tile of the sm80 forward's
     block_m rows, the keys that some row of the tile sees (the tile's key list), which is what
     (block_m, 1) tiles count: a one-key tile is visited iff a row of the query tile sees that key,
-    and their density is the union density. Its backward takes the tile path."""
+    and their density is the union density. Its backward does the same per query tile of the
+    sm80 backward's block_m rows up to head dim 128, and takes the tile path past it (and in
+    deterministic mode)."""
     tiles = kernel_tiles(head_dim)
-    return {"fwd": (tiles["fwd"][0], 1), "bwd": tiles["bwd"]}
+    backward = (tiles["bwd"][0], 1) if head_dim <= 128 else tiles["bwd"]
+    return {"fwd": (tiles["fwd"][0], 1), "bwd": backward}
 
 
 def causal_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:

@@ -192,8 +192,15 @@ def _run_impl(impl: Implementation, problem: Problem, pairs: dict, modes: List[s
               checker: Optional[_Checker], options: Options, clock: timing.Clock, result: CaseResult,
               rows: List[dict]) -> None:
     """Appends impl's rows (one per mode) to rows as they are measured."""
-    case = problem.case
     runner = impl.runner(problem, grad)
+    with runner.scope():
+        _measure_impl(impl, runner, problem, pairs, modes, grad, checker, options, clock, result, rows)
+
+
+def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs: dict, modes: List[str], grad: bool,
+                  checker: Optional[_Checker], options: Options, clock: timing.Clock, result: CaseResult,
+                  rows: List[dict]) -> None:
+    case = problem.case
     verdict, errors = "-", None
     if checker is not None:
         results = checker.ours if impl.name == "ours" and checker.ours is not None else runner.results(grad)

@@ -4,8 +4,9 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
 
 - ours: flash_dmattn_func with the bool mask and the (B, Hk, 1, Sk) bias; the bias gradient
   comes from bias.requires_grad.
-- ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: the forward
-  over per-tile key lists (CUDA, masked cases; the backward keeps the tile path).
+- ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: forward and
+  backward over per-tile key lists (CUDA, masked cases; the backward keeps the tile path past
+  head dim 128 and in deterministic mode).
 - ours_varlen: flash_dmattn_varlen_func on a case's sequences of several lengths (serving suite)
   packed back to back; mask and bias in its per-sequence layout. ours takes the padded batch.
 - ours_paged: flash_dmattn_with_kvcache on a paged copy of a decode case's cache (pages in a
@@ -25,10 +26,11 @@ GQA: SDPA backends get enable_gqa=True where they accept it, else K and V repeat
 head by repeat_interleave inside the timed call (each row's notes say which); ours and
 FlexAttention (enable_gqa) take the KV heads as they are.
 """
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,22 @@ class Runner:
     canonical: Callable              # canonical(name, tensor) -> tensor in our layout ("out" or an input name)
     rebuild: Optional[Callable] = None   # the per-mask preparation (prep ms), or None
     notes: List[str] = field(default_factory=list)
+    # Environment variables set while the harness runs this implementation (its forwards and
+    # backwards alike) and restored after: settings the library reads on every call.
+    environment: Dict[str, str] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def scope(self):
+        previous = {name: os.environ.get(name) for name in self.environment}
+        os.environ.update(self.environment)
+        try:
+            yield self
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def grad_inputs(self, inputs) -> list:
         return [(n, t) for n, t in zip(self.names, inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -152,7 +170,7 @@ class Ours(Implementation):
 class OursGather(Ours):
     name = "ours_gather"
     _VARIABLE = "FLASH_DMATTN_SPARSE_PATH"
-    tiles = staticmethod(gather_tiles)  # forward visits: the keys of each query tile's list
+    tiles = staticmethod(gather_tiles)  # visits: the keys of each query tile's list
 
     def unavailable(self, device):
         if device.type != "cuda":
@@ -164,22 +182,8 @@ class OursGather(Ours):
 
     def runner(self, problem, grad):
         runner = super().runner(problem, grad)
-        tile_call = runner.call
-
-        def call(*inputs):
-            # Read by the library on every call; set only around ours so that no other row sees it.
-            previous = os.environ.get(self._VARIABLE)
-            os.environ[self._VARIABLE] = "gather"
-            try:
-                return tile_call(*inputs)
-            finally:
-                if previous is None:
-                    del os.environ[self._VARIABLE]
-                else:
-                    os.environ[self._VARIABLE] = previous
-
-        runner.call = call
-        runner.notes.append("forward: gather path")
+        runner.environment[self._VARIABLE] = "gather"
+        runner.notes.append("gather path")
         return runner
 
 

@@ -137,6 +137,50 @@ struct BiasGradTile {
     }
   }
 
+  // The gather path's (bwd_gather_mainloop.h): the dZ of one chunk of a query tile's key list,
+  // whose column k is key keys[k] (k < valid). Elements go out by reductions at once; per-key
+  // sums are kept (columns) until deposit_columns() and flush_gathered_columns(). Every
+  // reduction: other query tiles (and heads) share the keys.
+  template <typename TensorZ, typename TensorC>
+  __device__ __forceinline__ void add_gathered(const TensorZ& dz, const TensorC& coords, int head, int row0,
+                                               const int* keys, int valid, int seqlen_q) {
+    using namespace cute;
+    constexpr int kRows = decltype(size<0>(dz))::value;
+    constexpr int kCols = decltype(size<1>(dz))::value;
+    if (g.kind == BiasGradKind::columns) {
+      columns.add(dz);
+      return;
+    }
+    if (g.kind != BiasGradKind::elements) return;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + get<0>(coords(r, 0));
+      if (i >= seqlen_q) continue;
+      const std::int64_t row = accum_offset(head, i, 0);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const int k = get<1>(coords(r, c));
+        if (k < valid && dz(r, c) != 0.f) accumulate(row + keys[k], dz(r, c));
+      }
+    }
+  }
+
+  // columns: this chunk's per-key partial sums into reduce (then a barrier, then the flush).
+  template <typename TensorC>
+  __device__ __forceinline__ void deposit_columns(const TensorC& coords_rc, float* reduce) {
+    if (g.kind == BiasGradKind::columns) columns.deposit(coords_rc, reduce);
+  }
+
+  __device__ __forceinline__ void flush_gathered_columns(const float* reduce, int head, const int* keys,
+                                                         int valid) const {
+    if (g.kind != BiasGradKind::columns) return;
+    for (int k = threadIdx.x; k < min(valid, kBlockN); k += kThreads) {
+      float x = 0.f;
+      for (int w = 0; w < ColumnSums::kPartials; ++w) x += reduce[w * kBlockN + k];
+      if (x != 0.f) accumulate(accum_offset(head, 0, keys[k]), x);
+    }
+  }
+
   // columns: the key sums of one bias head over every query tile the CTA visited, reduced across
   // the CTA and written once (or accumulated, when other CTAs share the elements). Contains
   // barriers: every thread calls it.

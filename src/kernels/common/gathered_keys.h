@@ -1,8 +1,8 @@
 // The gather path's part of a forward main loop: the CTA's key list (KeyLists, built by
 // key_lists.cu), walked in chunks of kBlockN keys. A chunk's keys and its rows' keep bits are
-// staged in shared memory by cp.async a chunk ahead (two buffers), so that gathering its K and V
-// rows by cp.async and masking its logits wait on no global load; the bias is read at the
-// gathered keys' own columns.
+// staged in shared memory by cp.async ahead of their use (kStages buffers: the forward stages a
+// chunk ahead, the backward two), so that gathering its K and V rows by cp.async and masking its
+// logits wait on no global load; the bias is read at the gathered keys' own columns.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,18 +15,18 @@
 
 namespace flash_dmattn::kernels {
 
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, int kStages = 2>
 struct GatheredKeys {
   static_assert(kBlockN % 32 == 0, "a chunk's row bits are whole words");
   static constexpr int kWords = kBlockN / 32;  // row bits per row per chunk
   // One chunk's staging: its kBlockN keys, then kWords row-bit words per row.
   static constexpr int kStageWords = kBlockN + kBlockM * kWords;
-  static constexpr int kSmemBytes = 2 * kStageWords * 4;
+  static constexpr int kSmemBytes = kStages * kStageWords * 4;
 
   const int* keys;  // this CTA's list, ascending
   const std::uint32_t* row_bits;
   int count;
-  std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer c % 2
+  std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer c % kStages
 
   __device__ __forceinline__ GatheredKeys(const KeyLists& lists, int b, int query_head, int m_block, char* smem) {
     const std::int64_t list = b * lists.batch_stride + (query_head / lists.head_divisor) * lists.head_stride + m_block;
@@ -39,10 +39,10 @@ struct GatheredKeys {
   __device__ __forceinline__ int chunks() const { return (count + kBlockN - 1) / kBlockN; }
 
   __device__ __forceinline__ const int* staged_keys(int c) const {
-    return reinterpret_cast<const int*>(staged + (c % 2) * kStageWords);
+    return reinterpret_cast<const int*>(staged + (c % kStages) * kStageWords);
   }
   __device__ __forceinline__ const std::uint32_t* staged_row_bits(int c) const {
-    return staged + (c % 2) * kStageWords + kBlockN;
+    return staged + (c % kStages) * kStageWords + kBlockN;
   }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
@@ -52,7 +52,7 @@ struct GatheredKeys {
   // past Sq and of positions past the list's end): apply() never lets them decide anything.
   __device__ __forceinline__ void stage(int c, int thread, int threads) const {
     using Vector = cute::uint128_t;
-    std::uint32_t* dst = staged + (c % 2) * kStageWords;
+    std::uint32_t* dst = staged + (c % kStages) * kStageWords;
     const int valid = count - c * kBlockN;
     for (int v = thread; v < kStageWords / 4; v += threads) {
       const std::uint32_t* src;
@@ -81,9 +81,11 @@ struct GatheredKeys {
   // Turns the raw q·k products of chunk c into logits, as MaskBiasPolicy::apply does for a key
   // tile: z = softcap(scale·qk) + bias, -inf where the row does not keep the key (its keep bit,
   // which holds the mask and causal alignment; past Sq; past the list's end).
-  template <typename Kind, typename Policy, typename TensorS, typename TensorC>
+  // emit(r, col, z, dcap) sees every element as MaskBiasPolicy::apply's does (the backward forms
+  // P and dZ there); dcap = 1 - tanh² under softcap, 1 without.
+  template <typename Kind, typename Policy, typename TensorS, typename TensorC, typename Emit>
   __device__ __forceinline__ void apply(Kind, const Policy& policy, TensorS& s_flat, const TensorC& coords_flat,
-                                        int c) const {
+                                        int c, Emit&& emit) const {
     using namespace cute;
     using T = typename Kind::BiasElement;
     Tensor s = make_tensor(s_flat.data(), accumulator_as_rows_cols(s_flat.layout()));
@@ -111,9 +113,11 @@ struct GatheredKeys {
       }
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        float z;
+        float z, dcap = 1.f;
         if constexpr (Kind::kSoftcap) {
-          z = policy.softcap * tanhf(s(r, col) * logit_scale);
+          const float t = tanhf(s(r, col) * logit_scale);
+          z = policy.softcap * t;
+          dcap = fmaf(-t, t, 1.f);
         } else {
           z = s(r, col) * logit_scale;
         }
@@ -123,8 +127,15 @@ struct GatheredKeys {
         const bool visible = policy.row_index[r] < policy.seqlen_q && at < count &&
                              ((keep[r][k / 32] >> (k % 32)) & 1u);
         s(r, col) = visible ? z : -INFINITY;
+        emit(r, col, s(r, col), dcap);
       }
     }
+  }
+
+  template <typename Kind, typename Policy, typename TensorS, typename TensorC>
+  __device__ __forceinline__ void apply(Kind kind, const Policy& policy, TensorS& s_flat, const TensorC& coords_flat,
+                                        int c) const {
+    apply(kind, policy, s_flat, coords_flat, c, [](int, int, float, float) {});
   }
 };
 

@@ -56,6 +56,23 @@ __global__ void __launch_bounds__(kThreads) reduce_dq_kernel(const __grid_consta
         sum * f.scale);
 }
 
+// One thread per (b, kv head, key, d) element of the gather path's dK and dV accumulators.
+template <typename Element>
+__global__ void __launch_bounds__(kThreads) reduce_dk_dv_kernel(const __grid_constant__ BackwardParams p) {
+  const ForwardParams& f = p.fwd;
+  const std::int64_t e = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (e >= std::int64_t(f.batch) * f.kv_heads * f.seqlen_k * f.head_dim) return;
+  // accum layout (b, kv head, j, d)
+  const int d = static_cast<int>(e % f.head_dim);
+  const std::int64_t row = e / f.head_dim;
+  const int j = static_cast<int>(row % f.seqlen_k), h = static_cast<int>(row / f.seqlen_k % f.kv_heads);
+  const int b = static_cast<int>(row / (std::int64_t(f.seqlen_k) * f.kv_heads));
+  store_rounded(static_cast<Element*>(p.dk) + b * p.dk_batch_stride + j * p.dk_row_stride + h * p.dk_head_stride + d,
+                p.dk_accum[e] * f.scale);
+  store_rounded(static_cast<Element*>(p.dv) + b * p.dv_batch_stride + j * p.dv_row_stride + h * p.dv_head_stride + d,
+                p.dv_accum[e]);
+}
+
 // One thread per dbias element.
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) reduce_bias_grad_kernel(const __grid_constant__ BackwardParams p) {
@@ -92,6 +109,17 @@ cudaError_t reduce_dq(const BackwardParams& p, cudaStream_t stream) {
     reduce_dq_kernel<__nv_bfloat16><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p);
   } else {
     reduce_dq_kernel<__half><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t reduce_dk_dv(const BackwardParams& p, cudaStream_t stream) {
+  const std::int64_t n = std::int64_t(p.fwd.batch) * p.fwd.kv_heads * p.fwd.seqlen_k * p.fwd.head_dim;
+  if (n == 0) return cudaSuccess;
+  if (p.fwd.element == ElementType::bfloat16) {
+    reduce_dk_dv_kernel<__nv_bfloat16><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p);
+  } else {
+    reduce_dk_dv_kernel<__half><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

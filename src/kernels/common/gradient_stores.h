@@ -92,6 +92,27 @@ __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coo
 #endif
 }
 
+// rows += acc at gathered rows (the gather path's dK and dV): row n of the accumulator's tile
+// adds to row keys[n] of `rows` (head_dim floats each), for n < valid_rows.
+template <typename Acc, typename TensorC>
+__device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const TensorC& coords, float* rows,
+                                                         const int* keys, int valid_rows, int head_dim) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) {
+    const int row = get<0>(coords(e)), col = get<1>(coords(e));
+    if (row >= valid_rows || col >= head_dim) continue;
+    float* const at = rows + std::int64_t(keys[row]) * head_dim + col;
+    // Elements e and e + 1 are neighbouring columns of one row (head_dim is even).
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(at), make_float2(acc(e), acc(e + 1)));
+#else
+    atomicAdd(at, acc(e));
+    atomicAdd(at + 1, acc(e + 1));
+#endif
+  }
+}
+
 // True where the bulk-asynchronous copy unit exists (sm_90 and newer): cp.reduce.async.bulk.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 inline constexpr bool kHasBulkReductions = true;

@@ -1,11 +1,13 @@
-// The sm80 backward kernel entry and its launch: one CTA per (key tile, KV head, batch), or in
-// deterministic mode key_splits CTAs per (KV head, batch) that share out the key tiles.
+// The sm80 backward kernel entries and their launches: one CTA per (key tile, KV head, batch), or in
+// deterministic mode key_splits CTAs per (KV head, batch) that share out the key tiles; on the
+// gather path one CTA per (query tile, query head, batch).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "kernels/common/backward_grid.h"
 #include "kernels/params.h"
+#include "kernels/sm80/bwd_gather_mainloop.h"
 #include "kernels/sm80/bwd_mainloop.h"
 
 namespace flash_dmattn::kernels::sm80 {
@@ -18,10 +20,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   });
 }
 
+// The gather path's grid: x the query tiles, the last first (under causal masking they keep the
+// most keys), y the query head, z the batch.
+__host__ __device__ inline GridShape gather_backward_grid(const BackwardParams& p, int block_m) {
+  return {(p.fwd.seqlen_q + block_m - 1) / block_m, p.fwd.heads, p.fwd.batch};
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_gather_kernel(const __grid_constant__ BackwardParams params) {
+  extern __shared__ __align__(128) char smem[];
+  const GridShape shape = gather_backward_grid(params, Traits::kBlockM);
+  const GridCoords cta = unfold_block(shape);
+  backward_gathered_query_tile<Traits>(params, smem, static_cast<int>(shape.x) - 1 - cta.x, cta.y, cta.z);
+}
+
+// The gather path runs head dims up to 128 (sm80/tile_size.h kMaxGatherBackwardHeadDim): past
+// them its two K/V buffers would not fit an A100's shared memory.
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
   using Traits = BackwardTraits<Element, kHeadDim>;
-  return launch_backward<Traits>(&backward_kernel<Traits>, params, params, stream);
+  if (!params.fwd.lists.keys) return launch_backward<Traits>(&backward_kernel<Traits>, params, params, stream);
+  if constexpr (kHeadDim <= kMaxGatherBackwardHeadDim) {
+    // Lists built for another tile would have their row bits read at the wrong places.
+    if (params.fwd.lists.block_m != Traits::kBlockM || params.fwd.lists.block_n != Traits::kBlockN) {
+      return cudaErrorInvalidValue;
+    }
+    const GridShape grid = gather_backward_grid(params, Traits::kBlockM);
+    if (grid.x * grid.y * grid.z == 0) return cudaSuccess;
+    return launch_folded<GatherBackwardSmem<Traits>::kBytes>(&backward_gather_kernel<Traits>, grid, Traits::kNThreads,
+                                                             stream, params);
+  } else {
+    return cudaErrorNotSupported;
+  }
 }
 
 }  // namespace flash_dmattn::kernels::sm80

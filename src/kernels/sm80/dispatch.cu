@@ -4,6 +4,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "kernel_manifest.h"
+#include "kernels/sm80/bwd_gather_mainloop.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/entry_points.h"
 
@@ -35,6 +36,18 @@ int backward_smem_bytes(ElementType element, int head_dim) {
   const int bucket = head_dim_bucket(head_dim);
 #define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
   if (element == ElementType::dtype && bucket == hdim) return BackwardTraits<cutlass_type, hdim>::kSmemBytes;
+  FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
+#undef FDMA_SM80_SMEM
+  return 0;
+}
+
+int gather_backward_smem_bytes(ElementType element, int head_dim) {
+  const int bucket = head_dim_bucket(head_dim);
+  if (bucket > kMaxGatherBackwardHeadDim) return 0;
+#define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
+  if constexpr (hdim <= kMaxGatherBackwardHeadDim) { \
+    if (element == ElementType::dtype && bucket == hdim) return GatherBackwardSmem<BackwardTraits<cutlass_type, hdim>>::kBytes; \
+  }
   FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
 #undef FDMA_SM80_SMEM
   return 0;

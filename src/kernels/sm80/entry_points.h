@@ -18,6 +18,9 @@ int compiled_head_dim_bucket(ElementType element, int head_dim);
 // limit of GPUs such as sm_86 and sm_89 for the larger head dims.
 int backward_smem_bytes(ElementType element, int head_dim);
 
+// The same for the backward's gather path (0 when not compiled or past its head dims).
+int gather_backward_smem_bytes(ElementType element, int head_dim);
+
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
 // The main backward kernel only; the host runs the passes around it (grad_passes.h).
 cudaError_t backward(const BackwardParams& params, cudaStream_t stream);

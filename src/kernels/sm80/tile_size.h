@@ -51,4 +51,7 @@ constexpr BackwardTile backward_tile(int head_dim) {
   return {64, 64, 8, 4, 2, 4, 1, false};
 }
 
+// The backward's gather path (bwd_gather_mainloop.h) runs head dims up to this one.
+inline constexpr int kMaxGatherBackwardHeadDim = 128;
+
 }  // namespace flash_dmattn::kernels::sm80

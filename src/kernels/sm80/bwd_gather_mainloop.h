@@ -1,0 +1,229 @@
+// The sm80 backward on the gather path, for one (query tile, query head, batch): the CTA walks its
+// key list (key_lists.cu) in chunks of kBlockN keys with dQ in registers throughout, and adds each
+// chunk's dK, dV and dBias at the gathered keys by fp32 reductions into the workspace, which
+// reduce_dk_dv() and reduce_bias_grad() write out. Its cost follows the kept keys, where the
+// key-tile backward (bwd_mainloop.h) pays for every tile a scattered mask leaves partly visible.
+// The loop body is that kernel's algorithm with the roles of the tiles swapped:
+//   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P, dZ (-> dBias), dS  ->  dQ += dS·K,  dV[keys] += Pᵀ·dO,  dK[keys] += dSᵀ·Q
+// K and V of the next chunk are gathered while this one computes (two buffers); the list's keys
+// and row bits are staged two chunks ahead (three buffers: chunk c's keys address its reductions
+// while chunk c + 1's K and V are gathered and chunk c + 2's keys land).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/common/backward_loads.h"
+#include "kernels/common/backward_scores.h"
+#include "kernels/common/bias_grad.h"
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/common/gathered_keys.h"
+#include "kernels/common/gradient_stores.h"
+#include "kernels/common/mask_bias.h"
+#include "kernels/common/softmax.h"
+#include "kernels/params.h"
+#include "kernels/sm80/bwd_mainloop.h"
+#include "kernels/sm80/bwd_traits.h"
+#include "kernels/sm80/gemm.h"
+
+namespace flash_dmattn::kernels::sm80 {
+
+// Shared memory of the gather backward: Q and dO once, K and V twice, P and dS, the dbias column
+// reduction, the list's staging.
+template <typename Traits>
+struct GatherBackwardSmem {
+  using List = GatheredKeys<Traits::kBlockM, Traits::kBlockN, 3>;
+  static constexpr int kKVBuffer = 2 * Traits::kKVElems;  // K then V, per buffer
+  static constexpr int kElems = 2 * Traits::kQElems + 2 * kKVBuffer + 2 * Traits::kPdSElems;
+  static constexpr int kBytes = kElems * static_cast<int>(sizeof(typename Traits::Element)) +
+                                Traits::kReduceFloats * static_cast<int>(sizeof(float)) + List::kSmemBytes;
+};
+
+template <typename Traits>
+__device__ __forceinline__ void backward_gathered_query_tile(const BackwardParams& p, char* smem, int m_block, int h,
+                                                             int b) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  using Smem = GatherBackwardSmem<Traits>;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kQElems = Traits::kQElems, kKVElems = Traits::kKVElems, kPdSElems = Traits::kPdSElems;
+  constexpr int kKVBuffer = Smem::kKVBuffer;
+  const ForwardParams& f = p.fwd;
+  const int tid = threadIdx.x;
+  const int kv_h = h / (f.heads / f.kv_heads);
+  const int row0 = m_block * kBlockM;
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + kQElems, typename Traits::SmemLayoutQ{});
+  // K and V of buffer 0; buffer 1 is kKVBuffer elements on (at_stage).
+  Tensor sK = make_tensor(sdO.data() + kQElems, typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + kKVElems, typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sK.data() + 2 * kKVBuffer, typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
+  float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
+  const typename Smem::List list(f.lists, b, h, m_block, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+
+  // The three GEMMs' fragments and the shared -> register copies that feed them, as in the
+  // key-tile kernel.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdO.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{}));
+
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tid);
+  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
+  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tid);
+  Tensor tSsK = thr_sdp_b.partition_S(sK);
+  Tensor tdPsV = thr_sdp_b.partition_S(sV);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tid);
+  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
+  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tid);
+  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
+  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto thr_dq_a = copy_dq_a.get_thread_slice(tid);
+  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_dq_b = copy_dq_b.get_thread_slice(tid);
+  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto thr_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPsP = thr_pds.partition_D(sP);
+  Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
+  BiasGradTile<kBlockM, kBlockN, Traits::kNThreads, RegisterColumnSums<kBlockN, kCols, Traits::kSdpWarpsM>> dbias(
+      p, b, kv_h);
+  BackwardRowStats<kRows> stats;
+  stats.load(p, b, h, row0, tScS_rc);
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
+
+  const std::int64_t kv_rows = (std::int64_t(b) * f.kv_heads + kv_h) * f.seqlen_k;  // accumulator row of key 0
+  float* const dk_rows = p.dk_accum + kv_rows * f.head_dim;
+  float* const dv_rows = p.dv_accum + kv_rows * f.head_dim;
+  const Element* const k_rows = static_cast<const Element*>(f.k) + b * f.k_batch_stride + kv_h * f.k_head_stride;
+  const Element* const v_rows = static_cast<const Element*>(f.v) + b * f.v_batch_stride + kv_h * f.v_head_stride;
+  auto gather_k_v = [&](int c) {
+    auto k_buffer = at_stage(tKsK, c % 2, kKVBuffer);
+    auto v_buffer = at_stage(tVsV, c % 2, kKVBuffer);
+    list.load(k_buffer, tKVcKV, c, k_rows, f.k_row_stride, f.head_dim);
+    list.load(v_buffer, tKVcKV, c, v_rows, f.v_row_stride, f.head_dim);
+  };
+
+  // Q, dO and chunk 0's keys, then chunk 1's keys; chunk 0's K and V once its keys have landed.
+  const int chunks = list.chunks();
+  copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, h, m_block, gmem_thr, gmem_thr.partition_D(sQ),
+                                               gmem_thr.partition_D(sdO), tQcQ);
+  if (chunks > 0) list.stage(0, tid, Traits::kNThreads);
+  cp_async_fence();
+  if (chunks > 1) list.stage(1, tid, Traits::kNThreads);
+  cp_async_fence();
+  cp_async_wait<1>();
+  __syncthreads();
+  if (chunks > 0) gather_k_v(0);
+  cp_async_fence();
+
+  for (int c = 0; c < chunks; ++c) {
+    const int buffer = c % 2;
+    const int* const keys = list.staged_keys(c);
+    const int valid = list.count - c * kBlockN;  // keys of this chunk (kBlockN but in the last)
+    cp_async_wait<0>();
+    __syncthreads();  // chunk c's K and V and chunk c + 1's keys have landed; every warp is done with chunk c - 1
+    if (c + 1 < chunks) gather_k_v(c + 1);
+    if (c + 2 < chunks) list.stage(c + 2, tid, Traits::kNThreads);
+    cp_async_fence();
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, at_stage(tSsK, buffer, kKVBuffer), mma_sdp, copy_sdp_a, copy_sdp_b,
+                   thr_sdp_a, thr_sdp_b);
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_smem_smem(acc_dp, tdPrdO, tdPrV, tdPsdO, at_stage(tdPsV, buffer, kKVBuffer), mma_sdp, copy_sdp_a,
+                   copy_sdp_b, thr_sdp_a, thr_sdp_b);
+
+    // P = exp(z - LSE) replaces S, dZ = P∘(dP - Δ) replaces dP (dBias reads it), then dS.
+    Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+    Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+    SoftcapGrads<kRows, kCols> cap;
+    float lse_log2[kRows];
+    stats.lse_log2(lse_log2);
+    policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+      list.apply(kind, policy, acc_s, tScS, c, [&](int r, int col, float z, float dcap) {
+        const float prob = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
+        s(r, col) = prob;
+        dz(r, col) = prob * (dz(r, col) - stats.dsum[r]);
+        cap.dcap[r][col] = dcap;
+      });
+    });
+    dbias.add_gathered(dz, tScS_rc, h, row0, keys, valid, f.seqlen_q);
+    apply_softcap_grads(f.softcap, acc_dp, cap);
+    Tensor p_values = convert_fragment<Element>(acc_s);
+    Tensor ds_values = convert_fragment<Element>(acc_dp);
+    copy(copy_pds, thr_pds.retile_S(p_values), tPsP);
+    copy(copy_pds, thr_pds.retile_S(ds_values), tdSsdS);
+    dbias.deposit_columns(tScS_rc, reduce);
+    __syncthreads();  // P, dS and the column sums are in shared memory
+    dbias.flush_gathered_columns(reduce, h, keys, valid);
+
+    gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, at_stage(tdQsKt, buffer, kKVBuffer), mma_dq, copy_dq_a, copy_dq_b,
+                   thr_dq_a, thr_dq_b);
+    {
+      Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+      clear(acc_dv);
+      gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      accumulate_gathered_rows(acc_dv, tdKVcdKV, dv_rows, keys, valid, f.head_dim);
+    }
+    {
+      Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+      clear(acc_dk);
+      gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      accumulate_gathered_rows(acc_dk, tdKVcdKV, dk_rows, keys, valid, f.head_dim);
+    }
+  }
+  cp_async_wait<0>();  // nothing is left in flight when the list is empty
+
+  // dQ = scale·Σ dS·K over the whole list: this CTA is its only writer.
+  Element* const dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+                      std::int64_t(row0) * p.dq_row_stride;
+  store_rows(acc_dq, tdQcdQ, dq, p.dq_row_stride, f.seqlen_q - row0, f.head_dim, f.scale);
+}
+
+}  // namespace flash_dmattn::kernels::sm80
