@@ -1,6 +1,7 @@
 // The public entry points: validate, pick a backend, check the workspace, run.
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "backend.h"
 #include "flash_dmattn/attention.h"
@@ -29,19 +30,86 @@ Status select_backend(const char* call, const Problem& problem, Backend requeste
                        std::string("flash_dmattn.") + call + ": no backend can run this call (" + reasons + ")");
 }
 
-Status check_workspace(const char* call, const Workspace& ws, std::size_t required) {
-  if (required == 0) return Status::success();
-  const std::string prefix = std::string("flash_dmattn.") + call + ": argument 'workspace': ";
-  if (ws.data == nullptr || ws.bytes < required) {
-    return Status::error(StatusCode::invalid_argument, prefix + "expected at least " + std::to_string(required) +
-                                                           " bytes, got " + std::to_string(ws.data ? ws.bytes : 0) +
-                                                           (ws.data ? "" : " (null pointer)"));
+// What a preparation is checked against: the mask view and the call's sizes, causal flag and
+// device, mixed into 64 bits (never 0, which marks a PreparedMask that was never prepared).
+std::uint64_t mask_fingerprint(const TensorView& mask, const Problem& p) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ull;
+  auto mix = [&h](std::uint64_t x) {
+    h = (h ^ x) * 0x100000001b3ull;
+    h ^= h >> 29;
+  };
+  mix(reinterpret_cast<std::uintptr_t>(mask.data));
+  for (int d = 0; d < mask.rank; ++d) {
+    mix(static_cast<std::uint64_t>(mask.shape[d]));
+    mix(static_cast<std::uint64_t>(mask.stride[d]));
   }
-  if (reinterpret_cast<std::uintptr_t>(ws.data) % kWorkspaceAlignment != 0) {
+  for (std::int64_t x : {p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim}) {
+    mix(static_cast<std::uint64_t>(x));
+  }
+  mix(p.causal);
+  mix(static_cast<std::uint64_t>(p.device.type));
+  mix(static_cast<std::uint64_t>(p.device.index));
+  return h == 0 ? 1 : h;
+}
+
+}  // namespace
+
+ForwardArgs forward_view(const BackwardArgs& a) {
+  ForwardArgs f;
+  f.q = a.q;
+  f.k = a.k;
+  f.v = a.v;
+  f.mask = a.mask;
+  f.indices = a.indices;
+  f.bias = a.bias;
+  f.out = a.out;
+  f.lse = a.lse;
+  f.options = a.options;
+  f.prepared_mask = a.prepared_mask;
+  return f;
+}
+
+namespace {
+
+Status check_memory(const std::string& prefix, const Workspace& memory, std::size_t required) {
+  if (required == 0) return Status::success();
+  if (memory.data == nullptr || memory.bytes < required) {
+    return Status::error(StatusCode::invalid_argument,
+                         prefix + "expected at least " + std::to_string(required) + " bytes, got " +
+                             std::to_string(memory.data ? memory.bytes : 0) + (memory.data ? "" : " (null pointer)"));
+  }
+  if (reinterpret_cast<std::uintptr_t>(memory.data) % kWorkspaceAlignment != 0) {
     return Status::error(StatusCode::invalid_argument,
                          prefix + "expected a pointer aligned to " + std::to_string(kWorkspaceAlignment) + " bytes");
   }
   return Status::success();
+}
+
+// A call's prepared mask, if any, against the call.
+template <typename Args>
+Status check_prepared(const char* call, const Args& args, const Problem& problem, const BackendImpl& backend) {
+  const PreparedMask* prepared = args.prepared_mask;
+  if (!prepared) return Status::success();
+  const std::string prefix = std::string("flash_dmattn.") + call + ": argument 'prepared_mask': ";
+  if (!args.mask) {
+    return Status::error(StatusCode::invalid_argument,
+                         prefix + "expected the call's mask (argument 'mask') beside it, got no mask");
+  }
+  const std::uint64_t expected = mask_fingerprint(*args.mask, problem);
+  if (prepared->fingerprint != expected) {
+    return Status::error(StatusCode::invalid_argument,
+                         prefix + "expected a preparation of this call's mask, lengths, heads, head dim, causal flag "
+                                  "and device (fingerprint " + std::to_string(expected) + "), got fingerprint " +
+                             std::to_string(prepared->fingerprint) +
+                             (prepared->fingerprint == 0 ? " (never prepared: call prepare_mask)" : ""));
+  }
+  std::size_t required = 0;
+  if constexpr (std::is_same_v<Args, BackwardArgs>) {
+    required = backend.prepared_mask_size(forward_view(args), problem, prepared);
+  } else {
+    required = backend.prepared_mask_size(args, problem, prepared);
+  }
+  return check_memory(prefix + "memory: ", prepared->memory, required);
 }
 
 template <typename Args>
@@ -54,7 +122,9 @@ Status prepare(const char* call, const Args& args, Validator<Args> validate, Bac
   if (!status.ok()) return status;
   status = select_backend(call, *problem, args.options.backend, pass, backend);
   if (!status.ok()) return status;
-  return (*backend)->check_settings(*problem, pass);
+  status = (*backend)->check_settings(*problem, pass);
+  if (!status.ok()) return status;
+  return check_prepared(call, args, *problem, **backend);
 }
 
 constexpr auto kForward = BackendImpl::Pass::forward;
@@ -98,12 +168,58 @@ Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes) {
   return status;
 }
 
+namespace {
+
+// A preparation is of a masked forward's arguments (one handed in with them is ignored): *plain
+// gets them without it, validated, with their problem and backend; *required the bytes.
+Status prepare_masked(const char* call, const ForwardArgs& args, ForwardArgs* plain, Problem* problem,
+                      const BackendImpl** backend, std::size_t* required) {
+  *plain = args;
+  plain->prepared_mask = nullptr;
+  Status status = prepare(call, *plain, validate_forward, kForward, problem, backend);
+  if (!status.ok()) return status;
+  if (!plain->mask) {
+    return Status::error(StatusCode::invalid_argument, std::string("flash_dmattn.") + call +
+                                                           ": argument 'mask': expected a mask to prepare, got none");
+  }
+  *required = (*backend)->prepared_mask_size(*plain, *problem, nullptr);
+  return Status::success();
+}
+
+}  // namespace
+
+Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes) {
+  ForwardArgs plain;
+  Problem problem;
+  const BackendImpl* backend = nullptr;
+  return prepare_masked("prepared_mask_size", args, &plain, &problem, &backend, bytes);
+}
+
+Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared) {
+  if (prepared == nullptr) {
+    return Status::error(StatusCode::invalid_argument,
+                         "flash_dmattn.prepare_mask: argument 'prepared': expected a PreparedMask, got a null pointer");
+  }
+  ForwardArgs plain;
+  Problem problem;
+  const BackendImpl* backend = nullptr;
+  std::size_t required = 0;
+  Status status = prepare_masked("prepare_mask", args, &plain, &problem, &backend, &required);
+  if (!status.ok()) return status;
+  status = check_memory("flash_dmattn.prepare_mask: argument 'prepared': memory: ", prepared->memory, required);
+  if (!status.ok()) return status;
+  status = backend->prepare_mask(plain, problem, prepared);
+  if (status.ok()) prepared->fingerprint = mask_fingerprint(*plain.mask, problem);
+  return status;
+}
+
 Status forward(const ForwardArgs& args) {
   Problem problem;
   const BackendImpl* backend = nullptr;
   Status status = prepare("forward", args, validate_forward, kForward, &problem, &backend);
   if (!status.ok()) return status;
-  status = check_workspace("forward", args.workspace, backend->forward_workspace_size(args, problem));
+  status = check_memory("flash_dmattn.forward: argument 'workspace': ", args.workspace,
+                        backend->forward_workspace_size(args, problem));
   if (!status.ok()) return status;
   return backend->forward(args, problem);
 }
@@ -113,7 +229,8 @@ Status backward(const BackwardArgs& args) {
   const BackendImpl* backend = nullptr;
   Status status = prepare("backward", args, validate_backward, kBackward, &problem, &backend);
   if (!status.ok()) return status;
-  status = check_workspace("backward", args.workspace, backend->backward_workspace_size(args, problem));
+  status = check_memory("flash_dmattn.backward: argument 'workspace': ", args.workspace,
+                        backend->backward_workspace_size(args, problem));
   if (!status.ok()) return status;
   return backend->backward(args, problem);
 }

@@ -30,10 +30,26 @@ class BackendImpl {
 
   virtual std::size_t forward_workspace_size(const ForwardArgs& args, const Problem& problem) const = 0;
   virtual std::size_t backward_workspace_size(const BackwardArgs& args, const Problem& problem) const = 0;
+  // The mask preparation (attention.h PreparedMask): what the backend's masked calls would build
+  // per call. None by default. prepared: the preparation a call reads (its size follows what it
+  // holds), or nullptr for the one prepare_mask() would build now.
+  virtual std::size_t prepared_mask_size(const ForwardArgs& /*args*/, const Problem& /*problem*/,
+                                         const PreparedMask* /*prepared*/) const {
+    return 0;
+  }
+  // Builds it into prepared->memory (of at least the reported size) and sets prepared->lists.
+  virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/,
+                              PreparedMask* prepared) const {
+    prepared->lists = false;
+    return Status::success();
+  }
   // Both run on validated arguments with a workspace of at least the reported size.
   virtual Status forward(const ForwardArgs& args, const Problem& problem) const = 0;
   virtual Status backward(const BackwardArgs& args, const Problem& problem) const = 0;
 };
+
+// The forward's arguments inside a backward's (its inputs, out, lse, options and prepared mask).
+ForwardArgs forward_view(const BackwardArgs& args);
 
 // Every backend compiled in, best first.
 const std::vector<const BackendImpl*>& compiled_backends();

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,6 +55,21 @@ struct AttentionOptions {
   void* stream = nullptr;  // a cudaStream_t for CUDA tensors; every launch goes on it. Ignored on the CPU.
 };
 
+// A mask prepared once for the calls that share it: the layers of a model that read the same mask,
+// and a forward with its backward. prepare_mask() builds into memory the caller owns what a
+// masked call otherwise builds from the mask in its workspace every time (the CUDA backends' tile
+// summary and, on the gather path, the key lists); a call given the prepared mask reads them
+// instead. The call still passes the mask itself (the CPU backend reads it).
+// Contract: the mask's contents must not change while a preparation of it is in use; the library
+// cannot see such a change. It does check what it can see: a call whose mask view (pointer,
+// shape, strides), lengths, heads, head dim, causal flag or device differ from those it was
+// prepared for is refused before launch (invalid_argument naming 'prepared_mask').
+struct PreparedMask {
+  Workspace memory;              // prepared_mask_size() bytes on the mask's device, kWorkspaceAlignment-aligned
+  std::uint64_t fingerprint = 0;  // of the call it was prepared for (set by prepare_mask)
+  bool lists = false;             // whether it holds the gather path's key lists (set by prepare_mask)
+};
+
 struct ForwardArgs {
   TensorView q, k, v;
   std::optional<TensorView> mask;
@@ -63,6 +79,7 @@ struct ForwardArgs {
   TensorView lse;  // written
   AttentionOptions options;
   Workspace workspace;
+  const PreparedMask* prepared_mask = nullptr;  // optional: prepare_mask() on these arguments
 };
 
 struct BackwardArgs {
@@ -78,6 +95,7 @@ struct BackwardArgs {
   AttentionOptions options;
   bool deterministic = false;  // bitwise-equal results on reruns with the same inputs
   Workspace workspace;
+  const PreparedMask* prepared_mask = nullptr;  // optional: prepared from the forward's arguments
 };
 
 // What would run a call, without running it.
@@ -92,6 +110,14 @@ Status query_backward(const BackwardArgs& args, Capability* capability);
 
 Status forward_workspace_size(const ForwardArgs& args, std::size_t* bytes);
 Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes);
+
+// Bytes of PreparedMask::memory that prepare_mask() needs for these arguments (0 where the
+// backend builds nothing, as on the CPU). args: a masked forward's, validated as such.
+Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes);
+// Prepares args.mask for the calls of these arguments (and their backward) into
+// prepared->memory and sets its fingerprint and lists; asynchronous on args.options.stream.
+// Writes neither out nor lse.
+Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared);
 
 // Runs the forward: writes out and lse. Asynchronous on the stream for CUDA tensors.
 Status forward(const ForwardArgs& args);

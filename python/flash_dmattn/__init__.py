@@ -16,6 +16,8 @@ __version__ = version()
 # name -> module that defines it; each needs torch.
 _TORCH_NAMES = {
     "flash_dmattn_func": "interface",
+    "prepare_mask": "interface",
+    "PreparedMask": "interface",
     "flash_dmattn_varlen_func": "varlen",
     "flash_dmattn_with_kvcache": "kvcache",
     "attention_reference": "reference",

@@ -243,6 +243,55 @@ def _kernel_operands(attn_mask, attn_bias):
     return attn_mask, attn_bias
 
 
+class PreparedMask:
+    """A bool mask prepared once (prepare_mask) for the calls that share it: every layer that reads
+    the same mask, and each forward with its backward. Pass it as flash_dmattn_func's attn_mask.
+
+    It holds the mask and what the CUDA kernels would otherwise build from it on every call (the
+    tile summary and, with FLASH_DMATTN_SPARSE_PATH=gather, the key lists). The mask must not
+    change while the preparation is in use: a change in place through torch (which bumps the
+    tensor's version counter) is refused with ValueError; one that bypasses torch cannot be seen.
+    A call with other shapes, another causal flag or another device is refused too.
+    """
+
+    def __init__(self, mask: torch.Tensor, storage: torch.Tensor, fingerprint: int, lists: bool, causal: bool):
+        self.mask, self.causal = mask, causal
+        self._prepared = (storage, fingerprint, lists)
+        self._version = mask._version
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the preparation holds (beside the mask)."""
+        return self._prepared[0].numel()
+
+    def _for_call(self, is_causal: bool, attn_indices) -> tuple:
+        """(mask, (storage, fingerprint, lists)) for a call, after the checks the Python side can make."""
+        if attn_indices is not None:
+            _fail(ValueError, "attn_mask", "expected a bool mask beside attn_indices, got a PreparedMask (the indices "
+                                           "change the mask it was prepared from)")
+        if is_causal != self.causal:
+            _fail(ValueError, "is_causal", f"expected {self.causal}, the flag the PreparedMask was prepared with, "
+                                           f"got {is_causal}")
+        if not torch.compiler.is_compiling() and self.mask._version != self._version:
+            _fail(ValueError, "attn_mask", "expected the mask as prepare_mask saw it, but it was modified in place "
+                                           "since: call prepare_mask again")
+        return self.mask, self._prepared
+
+
+def prepare_mask(query, key, value, attn_mask, is_causal=None) -> PreparedMask:
+    """Prepares attn_mask once for every flash_dmattn_func call with these shapes, device and
+    causal flag, and for their backwards (see PreparedMask). Arguments as flash_dmattn_func's;
+    only their shapes, dtypes and devices are read. Asynchronous on the current stream."""
+    if attn_mask is None:
+        _fail(ValueError, "attn_mask", "expected a bool mask to prepare, got None")
+    _check_types(query, key, value, attn_mask, None, None)
+    query, key, value = _autocast(query, key, value)
+    _check_operands(query, key, value, attn_mask, None, None)
+    mask, _ = _kernel_operands(attn_mask, None)
+    causal = bool(is_causal)
+    return PreparedMask(mask, *torch_ops.prepare(query, key, value, mask, causal), causal)
+
+
 def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
                       softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None,
                       attn_indices_bias=None):
@@ -251,7 +300,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     Args:
         query: (B, Sq, H, D), float16 or bfloat16 (float32 under torch.autocast).
         key, value: (B, Sk, Hk, D), query's dtype; Hk divides H (GQA/MQA).
-        attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient.
+        attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient. Or a
+            PreparedMask (prepare_mask) of such a mask, for calls that share one mask.
         attn_bias: optional additive bias, same broadcast shapes, query's dtype or float32. Its
             gradient has the bias's own shape and dtype (summed over its size-1 dims).
         softmax_scale: default 1/sqrt(D) of the unpadded head dim.
@@ -275,6 +325,9 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
     """
+    prepared = None
+    if isinstance(attn_mask, PreparedMask):
+        attn_mask, prepared = attn_mask._for_call(bool(is_causal), attn_indices)
     _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias)
     query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
     _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
@@ -301,5 +354,5 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         attn_bias = listed_bias if attn_bias is None else attn_bias + listed_bias
     attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
     out, lse = torch_ops.attention(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
-                                   bool(deterministic))
+                                   bool(deterministic), prepared)
     return (out, lse, None) if return_attn_probs else out

@@ -90,19 +90,53 @@ def _unpadded(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t if t.size(-1) == head_dim else t[..., :head_dim].contiguous()
 
 
+def _prepared(storage: Optional[torch.Tensor], fingerprint: int, lists: bool):
+    """The module's PreparedMask over storage (None: no preparation). The op schemas carry the
+    fingerprint as a signed 64-bit int."""
+    if storage is None:
+        return None
+    return _C.PreparedMask(storage.data_ptr(), storage.numel(), fingerprint % 2**64, lists)
+
+
+def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared=None):
+    """The module's ForwardArgs of padded, aligned q, k, v (and out, lse)."""
+    device = _device(q)
+    return _C.ForwardArgs(_view(q, device), _view(k, device), _view(v, device), _view(out, device),
+                          _view(lse, device), mask=_optional_view(mask, device), bias=_optional_view(bias, device),
+                          softmax_scale=scale, causal=causal, softcap=softcap, stream=_stream(q.device),
+                          prepared_mask=prepared)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            causal: bool) -> Tuple[torch.Tensor, int, bool]:
+    """(storage, fingerprint, lists): mask prepared for the calls of these q, k, v and causal flag
+    (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
+    allocator (empty where the backend builds nothing, as on the CPU)."""
+    batch, seqlen_q, heads, _ = q.shape
+    q, k, v = (_rows_aligned(_padded(t)) for t in (q, k, v))
+    # out and lse are validated as a forward's, never written (memory from the caching allocator).
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    args = _forward_args(q, k, v, out, lse, mask, None, None, causal, 0.0)
+    storage = torch.empty(_C.prepared_mask_size(args), dtype=torch.uint8, device=q.device)
+    prepared = _C.PreparedMask(storage.data_ptr(), storage.numel())
+    _C.prepare_mask(args, prepared)
+    fingerprint = prepared.fingerprint
+    return storage, fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint, prepared.lists
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, softcap: float,
-            deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+            deterministic: bool, prepared: Optional[torch.Tensor] = None, prepared_fingerprint: int = 0,
+            prepared_lists: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward: setup_context sees the forward's inputs alone.
     batch, seqlen_q, heads, head_dim = q.shape
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     q, k, v = (_rows_aligned(_padded(t)) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    device = _device(q)
-    args = _C.ForwardArgs(_view(q, device), _view(k, device), _view(v, device), _view(out, device),
-                          _view(lse, device), mask=_optional_view(mask, device), bias=_optional_view(bias, device),
-                          softmax_scale=scale, causal=causal, softcap=softcap, stream=_stream(q.device))
+    args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap,
+                         _prepared(prepared, prepared_fingerprint, prepared_lists))
     _run(_C.forward, _C.forward_workspace_size, args, q.device)
     return _unpadded(out, head_dim), lse
 
@@ -111,14 +145,16 @@ forward = torch.library.custom_op("flash_dmattn::forward", _forward, mutates_arg
 
 
 @forward.register_fake
-def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
+def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None, prepared_fingerprint=0,
+      prepared_lists=False):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float],
-             causal: bool, softcap: float, deterministic: bool,
+             causal: bool, softcap: float, deterministic: bool, prepared: Optional[torch.Tensor],
+             prepared_fingerprint: int, prepared_lists: bool,
              bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is empty unless bias_grad (a custom op cannot return None)."""
     head_dim = q.size(-1)
@@ -132,7 +168,8 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     args = _C.BackwardArgs(*(_view(t, device) for t in (q, k, v, out, lse, dout, dq, dk, dv)),
                            mask=_optional_view(mask, device), bias=_optional_view(bias, device),
                            dbias=_view(dbias, device) if bias_grad else None, softmax_scale=scale, causal=causal,
-                           softcap=softcap, deterministic=deterministic, stream=_stream(q.device))
+                           softcap=softcap, deterministic=deterministic, stream=_stream(q.device),
+                           prepared_mask=_prepared(prepared, prepared_fingerprint, prepared_lists))
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
 
@@ -141,27 +178,31 @@ backward = torch.library.custom_op("flash_dmattn::backward", _backward_impl, mut
 
 
 @backward.register_fake
-def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, bias_grad):
+def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, prepared,
+      prepared_fingerprint, prepared_lists, bias_grad):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic = inputs
+    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared, fingerprint, lists = inputs
     out, lse = output
-    # Saved whichever inputs require grad: a call where only the bias does needs them all too.
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    # Saved whichever inputs require grad: a call where only the bias does needs them all too. The
+    # prepared mask goes to the backward, which then builds neither summary nor lists.
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, prepared)
     ctx.options = (softmax_scale, causal, softcap, deterministic)
+    ctx.prepared = (fingerprint, lists)
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, run_backward):
-    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, prepared = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
-    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, bias_grad)
+    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, *ctx.prepared,
+                                     bias_grad)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
-            dbias if bias_grad else None, None, None, None, None)
+            dbias if bias_grad else None, None, None, None, None, None, None, None)
 
 
 def _backward(ctx, dout, _dlse):
@@ -196,14 +237,22 @@ def _plain_eager(tensors) -> bool:
         return False
 
 
-def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic):
+def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None):
     """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
-    and without autograd's bookkeeping where no gradient can be asked for (inference, decode)."""
-    inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic)
-    if not _plain_eager((q, k, v, mask, bias)):
+    and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
+
+    prepared: (storage, fingerprint, lists) of prepare() for this call's mask, or None. An eager
+    call on CUDA that will need a backward prepares its mask itself, so that the forward's summary
+    and key lists serve the backward too (kept until it runs: an eighth of the bool mask's bytes
+    for the summary, about as much again for the gather path's lists)."""
+    prepared = (None, 0, False) if prepared is None else prepared
+    inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared)
+    if not _plain_eager((q, k, v, mask, bias, prepared[0])):
         return forward(*inputs)
     if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))) or \
             _forward_ad_active():
+        if mask is not None and prepared[0] is None and q.device.type == "cuda":
+            inputs = (*inputs[:9], *prepare(q, k, v, mask, causal))
         return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
 

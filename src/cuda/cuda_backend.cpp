@@ -212,17 +212,67 @@ kernels::KeyListExtent list_extent(const TensorView& mask, const Problem& p, int
   return e;
 }
 
+// The forward's lists: also the ones a prepared mask holds, and up to D = 128 the backward's.
+kernels::KeyListExtent forward_list_extent(const TensorView& mask, const Problem& p) {
+  const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
+  return list_extent(mask, p, tile.block_m, tile.block_n);
+}
+
+// A prepared mask's memory: [tile summary][key lists, where it holds them].
+struct PreparedLayout {
+  std::size_t summary_bytes = 0, lists_bytes = 0;
+  std::size_t lists_offset() const { return align_up(summary_bytes); }
+  std::size_t bytes() const { return lists_offset() + align_up(lists_bytes); }
+};
+
+PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists) {
+  PreparedLayout layout;
+  layout.summary_bytes = kernels::tile_summary_bytes(mask_extent(mask, p));
+  if (lists) layout.lists_bytes = kernels::key_lists_bytes(forward_list_extent(mask, p));
+  return layout;
+}
+
+// Whether a call reads its lists from its prepared mask: one that holds lists of its tile.
+bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
+                    const Problem& p) {
+  if (!prepared || !prepared->lists) return false;
+  const kernels::KeyListExtent held = forward_list_extent(mask, p);
+  return held.block_m == wanted.block_m && held.block_n == wanted.block_n;
+}
+
+// The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`
+// into `workspace`.
+cudaError_t mask_summary(const TensorView& mask, const Problem& p, const PreparedMask* prepared, void* workspace,
+                         cudaStream_t stream, kernels::TileSummary* summary) {
+  if (prepared) {
+    *summary = kernels::describe_tile_summary(mask_extent(mask, p), prepared->memory.data);
+    return cudaSuccess;
+  }
+  return kernels::build_tile_summary(mask_extent(mask, p), workspace, stream, summary);
+}
+
+// The call's key lists: from the prepared mask (lists_prepared), or built into `workspace`.
+cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& mask, const Problem& p,
+                      const PreparedMask* prepared, const kernels::TileSummary& summary, void* workspace,
+                      cudaStream_t stream, kernels::KeyLists* lists) {
+  if (lists_prepared(prepared, extent, mask, p)) {
+    *lists = kernels::describe_key_lists(
+        extent, static_cast<char*>(prepared->memory.data) + prepared_layout(mask, p, true).lists_offset());
+    return cudaSuccess;
+  }
+  return kernels::build_key_lists(extent, summary, workspace, stream, lists);
+}
+
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
-  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   // The gather path's lists are per query tile of one mask head, so it neither packs GQA heads
   // nor splits the keys.
   if (gather_applies(a.mask)) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
-    const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
-    plan.lists = list_extent(*a.mask, p, tile.block_m, tile.block_n);
-    plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
+    plan.lists = forward_list_extent(*a.mask, p);
+    if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     return plan;
   }
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
@@ -317,7 +367,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.family = KernelFamily::sm80;
     const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
     plan.lists = list_extent(*a.mask, p, tile.block_m, tile.block_n);
-    plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
+    if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
     plan.dq_slots = 0;  // every query tile's CTA writes its dQ (gather_backward() ruled deterministic mode out)
   } else {
@@ -342,7 +392,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
-  if (a.mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
   plan.dq_accum_bytes = static_cast<std::size_t>(plan.dq_slots) * p.batch * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
 
@@ -386,16 +436,8 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
 }
 
 kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p, const BackwardPlan& plan) {
-  ForwardArgs forward_view;
-  forward_view.q = a.q;
-  forward_view.k = a.k;
-  forward_view.v = a.v;
-  forward_view.mask = a.mask;
-  forward_view.bias = a.bias;
-  forward_view.out = a.out;
-  forward_view.lse = a.lse;
   kernels::BackwardParams b;
-  b.fwd = forward_params(forward_view, p);
+  b.fwd = forward_params(forward_view(a), p);
   b.dout = a.dout.data;
   b.dq = a.dq.data;
   b.dk = a.dk.data;
@@ -534,6 +576,30 @@ class CudaSm80Backend final : public BackendImpl {
     return plan_backward(a, p, arch_of(p.device.index)).workspace_bytes();
   }
 
+  std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared) const override {
+    if (!a.mask) return 0;
+    const bool lists = prepared ? prepared->lists : gather_applies(a.mask) && !p.empty();
+    return prepared_layout(*a.mask, p, lists).bytes();
+  }
+
+  Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
+    prepared->lists = gather_applies(a.mask) && !p.empty();
+    if (!a.mask || p.empty()) return Status::success();
+    const DeviceGuard guard(p.device.index);
+    const auto stream = static_cast<cudaStream_t>(a.options.stream);
+    char* memory = static_cast<char*>(prepared->memory.data);
+    kernels::TileSummary summary;
+    cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), memory, stream, &summary);
+    if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
+    if (prepared->lists) {
+      kernels::KeyLists lists;
+      e = kernels::build_key_lists(forward_list_extent(*a.mask, p), summary,
+                                   memory + prepared_layout(*a.mask, p, true).lists_offset(), stream, &lists);
+      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+    }
+    return Status::success();
+  }
+
   Status forward(const ForwardArgs& a, const Problem& p) const override {
     if (p.empty()) return Status::success();
     const DeviceGuard guard(p.device.index);
@@ -549,13 +615,12 @@ class CudaSm80Backend final : public BackendImpl {
           reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes) + align_up(plan.partial_out_bytes));
     }
     if (a.mask) {
-      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
-                                                        &params.summary);
+      const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
     if (plan.gather) {
-      const cudaError_t e = kernels::build_key_lists(plan.lists, params.summary, workspace + plan.lists_offset(),
-                                                     stream, &params.lists);
+      const cudaError_t e = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.summary,
+                                      workspace + plan.lists_offset(), stream, &params.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
     const bool sm90a = plan.family == KernelFamily::sm90a;
@@ -584,13 +649,12 @@ class CudaSm80Backend final : public BackendImpl {
     params.dv_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset() + align_up(plan.dkv_accum_bytes));
 
     if (a.mask) {
-      const cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), workspace, stream,
-                                                        &params.fwd.summary);
+      const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.fwd.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
     if (plan.gather) {
-      const cudaError_t e = kernels::build_key_lists(plan.lists, params.fwd.summary, workspace + plan.lists_offset(),
-                                                     stream, &params.fwd.lists);
+      const cudaError_t e = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.fwd.summary,
+                                      workspace + plan.lists_offset(), stream, &params.fwd.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
     for (auto [bytes, where] : {std::make_pair(plan.dq_accum_bytes, static_cast<void*>(params.dq_accum)),

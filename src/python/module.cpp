@@ -147,14 +147,30 @@ NB_MODULE(_C, m) {
                ", strides=" + v.stride_string() + ", " + fd::device_name(v.device) + ")";
       });
 
+  nb::class_<fd::PreparedMask>(m, "PreparedMask",
+                               "A mask prepared for the calls that share it (attention.h PreparedMask): its memory, "
+                               "and the fingerprint and lists flag prepare_mask() sets")
+      .def(
+          "__init__",
+          [](fd::PreparedMask* self, std::uintptr_t data, std::size_t bytes, std::uint64_t fingerprint, bool lists) {
+            auto* prepared = new (self) fd::PreparedMask();
+            prepared->memory = workspace(data, bytes);
+            prepared->fingerprint = fingerprint;
+            prepared->lists = lists;
+          },
+          nb::arg("data") = 0, nb::arg("bytes") = 0, nb::arg("fingerprint") = 0, nb::arg("lists") = false)
+      .def_prop_ro("fingerprint", [](const fd::PreparedMask& p) { return p.fingerprint; })
+      .def_prop_ro("lists", [](const fd::PreparedMask& p) { return p.lists; });
+
   nb::class_<fd::ForwardArgs>(m, "ForwardArgs", "The arguments of one forward call (attention.h)")
       .def(
           "__init__",
           [](fd::ForwardArgs* self, const fd::TensorView& q, const fd::TensorView& k, const fd::TensorView& v,
              const fd::TensorView& out, const fd::TensorView& lse, const fd::TensorView* mask,
              const fd::TensorView* bias, std::optional<double> softmax_scale, bool causal, double softcap,
-             const std::string& backend, std::uintptr_t stream) {
+             const std::string& backend, std::uintptr_t stream, const fd::PreparedMask* prepared_mask) {
             auto* args = new (self) fd::ForwardArgs();
+            args->prepared_mask = prepared_mask;
             args->q = q;
             args->k = k;
             args->v = v;
@@ -167,7 +183,8 @@ NB_MODULE(_C, m) {
           nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(),
           nb::arg("mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
-          nb::arg("backend") = "automatic", nb::arg("stream") = 0);
+          nb::arg("backend") = "automatic", nb::arg("stream") = 0, nb::arg("prepared_mask").none() = nb::none(),
+          nb::keep_alive<1, 14>());
 
   nb::class_<fd::BackwardArgs>(m, "BackwardArgs", "The arguments of one backward call (attention.h)")
       .def(
@@ -177,8 +194,9 @@ NB_MODULE(_C, m) {
              const fd::TensorView& dq, const fd::TensorView& dk, const fd::TensorView& dv,
              const fd::TensorView* mask, const fd::TensorView* bias, const fd::TensorView* dbias,
              std::optional<double> softmax_scale, bool causal, double softcap, bool deterministic,
-             const std::string& backend, std::uintptr_t stream) {
+             const std::string& backend, std::uintptr_t stream, const fd::PreparedMask* prepared_mask) {
             auto* args = new (self) fd::BackwardArgs();
+            args->prepared_mask = prepared_mask;
             args->q = q;
             args->k = k;
             args->v = v;
@@ -198,7 +216,8 @@ NB_MODULE(_C, m) {
           nb::arg("dk"), nb::arg("dv"), nb::kw_only(), nb::arg("mask").none() = nb::none(),
           nb::arg("bias").none() = nb::none(), nb::arg("dbias").none() = nb::none(),
           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
-          nb::arg("deterministic") = false, nb::arg("backend") = "automatic", nb::arg("stream") = 0);
+          nb::arg("deterministic") = false, nb::arg("backend") = "automatic", nb::arg("stream") = 0,
+          nb::arg("prepared_mask").none() = nb::none(), nb::keep_alive<1, 20>());
 
   m.def(
       "forward_workspace_size",
@@ -216,6 +235,21 @@ NB_MODULE(_C, m) {
         return bytes;
       },
       nb::arg("args"), Release(), "Bytes of scratch memory backward() needs for these arguments");
+
+  m.def(
+      "prepared_mask_size",
+      [](const fd::ForwardArgs& args) {
+        std::size_t bytes = 0;
+        fd::throw_if_error(fd::prepared_mask_size(args, &bytes));
+        return bytes;
+      },
+      nb::arg("args"), Release(), "Bytes of memory prepare_mask() needs for these (masked forward) arguments");
+  m.def(
+      "prepare_mask",
+      [](const fd::ForwardArgs& args, fd::PreparedMask& prepared) { fd::throw_if_error(fd::prepare_mask(args, &prepared)); },
+      nb::arg("args"), nb::arg("prepared"), Release(),
+      "Builds args.mask's preparation into prepared's memory and sets its fingerprint and lists; asynchronous on "
+      "the stream for CUDA tensors");
 
   m.def(
       "forward",

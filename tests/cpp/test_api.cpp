@@ -197,6 +197,57 @@ TEST(Api, QueriesReportTheCpuReference) {
   EXPECT_EQ(backends.back(), Backend::cpu_reference);
 }
 
+TEST(Api, PreparedMaskIsCheckedAgainstEveryCallThatReadsIt) {
+  auto rng = test_rng();
+  ApiProblem p(Sizes{2, 5, 7, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);
+  std::size_t bytes = 1;
+  ASSERT_TRUE(prepared_mask_size(p.forward_args(), &bytes).ok());
+  EXPECT_EQ(bytes, 0u);  // the CPU reference reads the mask itself
+  PreparedMask prepared;
+  Status status = prepare_mask(p.forward_args(), &prepared);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_NE(prepared.fingerprint, 0u);
+
+  ForwardArgs f = p.forward_args();
+  f.prepared_mask = &prepared;
+  ASSERT_TRUE(forward(f).ok());
+  expect_rounded(p.out, reference::forward(p.in.inputs()).out, "out");
+  BackwardArgs b = p.backward_args();
+  b.prepared_mask = &prepared;
+  status = backward(b);
+  ASSERT_TRUE(status.ok()) << status.message();
+  expect_rounded(p.dq, reference::backward(p.in.inputs(), p.in.dout.view).dq, "dq");
+
+  // Another causal flag, another mask view, no mask, a preparation never made: refused, named.
+  auto refused = [](const Status& s, const char* what) {
+    EXPECT_EQ(s.code(), StatusCode::invalid_argument) << what;
+    EXPECT_NE(s.message().find("'prepared_mask'"), std::string::npos) << what << ": " << s.message();
+  };
+  ForwardArgs other = f;
+  other.options.causal = false;
+  refused(forward(other), "causal");
+  other = f;
+  other.mask->shape[2] = 1;
+  other.mask->stride[2] = 0;
+  refused(forward(other), "mask view");
+  other = f;
+  other.mask.reset();
+  refused(forward(other), "no mask");
+  PreparedMask never;
+  other = f;
+  other.prepared_mask = &never;
+  refused(forward(other), "never prepared");
+  EXPECT_NE(forward(other).message().find("prepare_mask"), std::string::npos);
+  BackwardArgs other_b = b;
+  other_b.options.causal = false;
+  refused(backward(other_b), "backward causal");
+
+  ForwardArgs unmasked = p.forward_args();
+  unmasked.mask.reset();
+  EXPECT_EQ(prepare_mask(unmasked, &prepared).code(), StatusCode::invalid_argument);
+  EXPECT_EQ(prepare_mask(p.forward_args(), nullptr).code(), StatusCode::invalid_argument);
+}
+
 TEST(Api, ThrowIfErrorCarriesTheMessage) {
   auto rng = test_rng();
   ApiProblem p(Sizes{2, 3, 4, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);

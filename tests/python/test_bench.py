@@ -371,6 +371,16 @@ def test_cpu_run_of_the_smoke_suite(capsys, tmp_path):
     assert all(r["total_ms"] == pytest.approx(r["ms"] + (r["prep_ms"] or 0), abs=2e-4) for r in rows)
 
 
+def test_case_filter_keeps_the_named_cases(capsys, tmp_path):
+    pytest.importorskip("torch")
+    names = [c.name for c in suites.cases("smoke")]
+    argv = ["--suite", "smoke", "--device", "cpu", "--impl", "ours", "--case", names[1], "--modes", "fwd",
+            "--warmup", "1", "--min-reps", "1", "--max-reps", "1", "--no-progress", "--json", str(tmp_path / "c.json")]
+    assert cli.main(argv) == 0
+    rows = json.load(open(tmp_path / "c.json"))["bench_cli"]["smoke"]["rows"]
+    assert {r["case"] for r in rows} == {names[1]}
+
+
 def test_masks_of_each_kind():
     torch = pytest.importorskip("torch")
     from flash_dmattn.bench.problem import make_problem, visibility
@@ -433,7 +443,7 @@ def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
                         lambda *a, **k: seen.append(os.environ.get("FLASH_DMATTN_SPARSE_PATH")) or real(*a, **k))
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
     runner = gather.runner(make_problem(case, torch.bfloat16, torch.device("cpu")), grad=False)
-    assert "gather path" in runner.notes
+    assert "gather path, prepared mask" in runner.notes and runner.rebuild is not None
     with runner.scope():
         runner.call(*runner.inputs)
         assert os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"

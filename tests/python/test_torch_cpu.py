@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import flash_dmattn  # noqa: E402
 from flash_dmattn import flash_dmattn_func, interface, torch_ops  # noqa: E402
 from tolerance import assert_rounded  # noqa: E402
 from torch_cases import make_case, run_flash, run_reference  # noqa: E402
@@ -201,7 +202,45 @@ def test_opcheck_backward():
     q, k, v, mask, bias = _op_args(False)
     out, lse = torch_ops.forward(q, k, v, mask, bias, 0.25, True, 0.0, False)
     torch.library.opcheck(torch_ops.backward, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0,
-                                               False, True))
+                                               False, None, 0, False, True))
+
+
+def prepared_mask_case(device="cpu"):
+    case = make_case(2, 9, 11, 4, 2, 16, device=device, mask_shape=(2, 2, 9, 11), bias_shape=(2, 2, 1, 11))
+    leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
+    return case, leaves, torch.randn(case["q"].shape, device=device).bfloat16()
+
+
+def check_prepared_mask_matches_the_mask(device="cpu"):
+    """Forward and gradients with a PreparedMask equal those with its bool mask, bitwise."""
+    case, t, dout = prepared_mask_case(device)
+    results = []
+    for mask in (case["mask"], flash_dmattn.prepare_mask(t["q"], t["k"], t["v"], case["mask"], is_causal=True)):
+        out = flash_dmattn_func(t["q"], t["k"], t["v"], attn_mask=mask, attn_bias=t["bias"], is_causal=True)
+        results.append((out, *torch.autograd.grad(out, list(t.values()), dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    return case, t
+
+
+def test_prepared_mask_matches_the_mask_and_refuses_what_it_can_see():
+    case, t = check_prepared_mask_matches_the_mask()
+    q, k, v, bias = t["q"], t["k"], t["v"], t["bias"]
+    prepared = flash_dmattn.prepare_mask(q, k, v, case["mask"], is_causal=True)
+    assert isinstance(prepared, flash_dmattn.PreparedMask) and prepared.nbytes == 0  # the CPU builds nothing
+    with pytest.raises(ValueError, match="argument 'is_causal': expected True"):
+        flash_dmattn_func(q, k, v, attn_mask=prepared)
+    # Other heads (the mask's 2 serve H = 2 too): the library's fingerprint check names the argument.
+    with pytest.raises(ValueError, match="argument 'prepared_mask'"):
+        flash_dmattn_func(q[:, :, :2], k, v, attn_mask=prepared, is_causal=True)
+    with pytest.raises(ValueError, match="argument 'attn_mask': expected a bool mask beside attn_indices"):
+        flash_dmattn_func(q, k, v, attn_mask=prepared, is_causal=True,
+                          attn_indices=torch.zeros(2, 2, 9, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="argument 'attn_mask': expected a bool mask to prepare"):
+        flash_dmattn.prepare_mask(q, k, v, None)
+    case["mask"][0, 0, 0, 0] = ~case["mask"][0, 0, 0, 0]  # in place: the version counter moves
+    with pytest.raises(ValueError, match="modified in place"):
+        flash_dmattn_func(q, k, v, attn_mask=prepared, is_causal=True)
 
 
 def test_compile_fullgraph_traces_forward_and_backward():

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+import flash_dmattn  # noqa: E402
 from flash_dmattn import _C, flash_dmattn_func, torch_ops  # noqa: E402
 from tolerance import assert_within_baseline  # noqa: E402
 from torch_cases import make_case, run_flash, run_reference  # noqa: E402
@@ -144,6 +145,17 @@ def test_mixed_devices_fail_before_launch():
     case = make_case(1, 8, 8, 2, 2, 64, device="cuda")
     with pytest.raises(ValueError, match="argument 'attn_mask': expected the device of query"):
         flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=torch.ones(1, 1, 1, 8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("path", ["tile", "gather"])
+def test_prepared_mask_matches_the_mask(path, monkeypatch):
+    """On both paths, a PreparedMask gives the bool mask's results bitwise; the backward of a call
+    with a bool mask reads the summary and lists its forward prepared."""
+    from test_torch_cpu import check_prepared_mask_matches_the_mask
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
+    case, t = check_prepared_mask_matches_the_mask("cuda")
+    prepared = flash_dmattn.prepare_mask(t["q"], t["k"], t["v"], case["mask"], is_causal=True)
+    assert prepared.nbytes > 0 and prepared._prepared[2] == (path == "gather")
 
 
 def test_opcheck_on_cuda():

@@ -33,6 +33,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="compare outputs and gradients with ours and a float64 reference; exit 1 on a mismatch")
     parser.add_argument("--quick", action="store_true", help="smaller suites (fewer, shorter points) for smoke runs")
     parser.add_argument("--max-cases", type=int, default=0, metavar="N", help="the first N cases of each suite")
+    parser.add_argument("--case", action="append", metavar="TEXT",
+                        help="only the cases whose name contains TEXT; repeat for several")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu runs the harness on CPU tensors (testing only: its times mean nothing)")
@@ -133,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     clock = timing.Clock(device)
 
     plan = [(suite, case) for suite in suite_names for case in suites.cases(suite, args.quick, args.max_cases)
-            if set(case.modes) & set(args.modes)]
+            if set(case.modes) & set(args.modes) and (not args.case or any(text in case.name for text in args.case))]
     clock_name = "CUDA-event" if device.type == "cuda" else "perf_counter (CPU: for testing only)"
     print(f"flash_dmattn.bench on {device_name}: torch {torch.__version__}, {args.dtype}, medians of {clock_name} "
           f"timings in ms; vs ours = total ms / ours' total ms; docs/benchmarks.md explains the columns", flush=True)

@@ -6,7 +6,8 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
   comes from bias.requires_grad.
 - ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: forward and
   backward over per-tile key lists (CUDA, masked cases; the backward keeps the tile path past
-  head dim 128 and in deterministic mode).
+  head dim 128 and in deterministic mode), with the mask prepared once (prepare_mask: the
+  summary and the lists, timed as prep, as FlexAttention's BlockMask is).
 - ours_varlen: flash_dmattn_varlen_func on a case's sequences of several lengths (serving suite)
   packed back to back; mask and bias in its per-sequence layout. ours takes the padded batch.
 - ours_paged: flash_dmattn_with_kvcache on a paged copy of a decode case's cache (pages in a
@@ -181,9 +182,26 @@ class OursGather(Ours):
         return "the gather path needs a mask" if case.mask == "none" else None
 
     def runner(self, problem, grad):
+        from ..interface import flash_dmattn_func, prepare_mask
         runner = super().runner(problem, grad)
         runner.environment[self._VARIABLE] = "gather"
-        runner.notes.append("gather path")
+        causal = problem.case.causal
+        # The mask prepared once (summary and key lists), as Flex's BlockMask is built once: its
+        # time is the prep column, and the calls read it. The rotating input copies hold the same
+        # mask, so every call reads the preparation of the first.
+        prepared = {}
+
+        def rebuild():
+            prepared["mask"] = prepare_mask(problem.q, problem.k, problem.v, problem.mask, is_causal=causal)
+            return prepared["mask"]
+
+        def call(q, k, v, bias, mask):
+            if "mask" not in prepared:
+                rebuild()
+            return flash_dmattn_func(q, k, v, attn_mask=prepared["mask"], attn_bias=bias, is_causal=causal)
+
+        runner.call, runner.rebuild = call, rebuild
+        runner.notes.append("gather path, prepared mask")
         return runner
 
 

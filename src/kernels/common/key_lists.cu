@@ -137,6 +137,22 @@ std::size_t key_lists_bytes(const KeyListExtent& e) {
                   static_cast<std::size_t>(e.row_bits_words()) * sizeof(std::uint32_t) + sizeof(int));
 }
 
+KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
+  const std::int64_t n = e.lists();
+  KeyLists lists;
+  lists.keys = static_cast<const int*>(memory);
+  lists.row_bits = reinterpret_cast<const std::uint32_t*>(lists.keys + n * e.capacity());
+  lists.counts = reinterpret_cast<const int*>(lists.row_bits + n * e.row_bits_words());
+  lists.row_bits_stride = e.row_bits_words();
+  lists.head_stride = e.query_tiles();
+  lists.batch_stride = e.batches == 1 ? 0 : e.heads * e.query_tiles();
+  lists.head_divisor = e.head_divisor;
+  lists.capacity = e.capacity();
+  lists.block_m = e.block_m;
+  lists.block_n = e.block_n;
+  return lists;
+}
+
 cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, void* workspace, cudaStream_t stream,
                             KeyLists* lists) {
   // A mask that broadcasts over queries or keys has no per-row choice of keys to list. (With no
@@ -145,21 +161,12 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
       (summary.col_stride == 0 && e.seqlen_k > 1) || e.block_m > kMaxListRows || e.block_n % 32 != 0) {
     return cudaErrorInvalidValue;
   }
+  *lists = describe_key_lists(e, workspace);
   const std::int64_t n = e.lists();
   ListOutput out;
   out.keys = static_cast<int*>(workspace);
   out.row_bits = reinterpret_cast<std::uint32_t*>(out.keys + n * e.capacity());
   out.counts = reinterpret_cast<int*>(out.row_bits + n * e.row_bits_words());
-  lists->keys = out.keys;
-  lists->counts = out.counts;
-  lists->row_bits = out.row_bits;
-  lists->row_bits_stride = e.row_bits_words();
-  lists->head_stride = e.query_tiles();
-  lists->batch_stride = e.batches == 1 ? 0 : e.heads * e.query_tiles();
-  lists->head_divisor = e.head_divisor;
-  lists->capacity = e.capacity();
-  lists->block_m = e.block_m;
-  lists->block_n = e.block_n;
   if (n == 0) return cudaSuccess;
   return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out);
 }

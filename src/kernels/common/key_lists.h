@@ -36,6 +36,9 @@ inline constexpr int kMaxListRows = 128;
 // count per list.
 std::size_t key_lists_bytes(const KeyListExtent& extent);
 
+// The lists of this extent as they lie in `memory` (key_lists_bytes of it), built there earlier.
+KeyLists describe_key_lists(const KeyListExtent& extent, void* memory);
+
 // Launches the build on `stream` into `workspace`, from the bits of a summary built earlier on the
 // same stream, and describes the lists in *lists. The mask must have a key per column and a row
 // per query (cudaErrorInvalidValue otherwise), block_m <= kMaxListRows and block_n a multiple of

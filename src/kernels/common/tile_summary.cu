@@ -259,9 +259,11 @@ std::size_t tile_summary_bytes(const MaskExtent& mask) {
   return bit_words == 0 ? 0 : bits_offset(mask) + static_cast<std::size_t>(bit_words) * sizeof(std::uint32_t);
 }
 
-cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStream_t stream, TileSummary* summary) {
+TileSummary describe_tile_summary(const MaskExtent& mask, void* memory) {
+  TileSummary s;
+  TileSummary* summary = &s;
   const std::int64_t row_blocks = blocks_of(mask.rows), col_blocks = blocks_of(mask.cols);
-  auto* out = static_cast<std::uint8_t*>(workspace);
+  auto* out = static_cast<std::uint8_t*>(memory);
   summary->classes = out;
   summary->batch_stride = mask.batches == 1 ? 0 : mask.heads * row_blocks * col_blocks;
   summary->head_stride = row_blocks * col_blocks;
@@ -275,7 +277,14 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   summary->bits_head_stride = mask.rows * row_words;
   summary->bits_row_stride = mask.rows == 1 ? 0 : row_words;
   summary->bits_row_words = static_cast<int>(row_words);
+  return s;
+}
+
+cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStream_t stream, TileSummary* summary) {
+  *summary = describe_tile_summary(mask, workspace);
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
+  auto* out = static_cast<std::uint8_t*>(workspace);
+  auto* bits = const_cast<std::uint32_t*>(summary->bits);
   if (mask.rows == 1 && !mask.causal) {
     return launch_folded<0>(&row_summary_kernel, row_summary_grid_shape(mask), kThreads, stream, mask, out, bits);
   }

@@ -27,6 +27,9 @@ struct MaskExtent {
 // Bytes of workspace the summary of this mask needs.
 std::size_t tile_summary_bytes(const MaskExtent& mask);
 
+// The summary of this mask as it lies in `memory` (tile_summary_bytes of it), built there earlier.
+TileSummary describe_tile_summary(const MaskExtent& mask, void* memory);
+
 // Launches the summary build on `stream` into `workspace` and returns the summary's description.
 cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStream_t stream, TileSummary* summary);
 
