@@ -242,16 +242,17 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
 
     prepared: (storage, fingerprint, lists) of prepare() for this call's mask, or None. An eager
-    call on CUDA that will need a backward prepares its mask itself, so that the forward's summary
-    and key lists serve the backward too (kept until it runs: an eighth of the bool mask's bytes
-    for the summary, about as much again for the gather path's lists)."""
+    call on CUDA that will need a backward prepares a mask with a row per query itself, so that
+    the forward's summary and key lists serve the backward too (kept until it runs: an eighth of
+    the bool mask's bytes for the summary, about as much again for the gather path's lists). A
+    mask shared by all queries has a summary too small to be worth the extra host work."""
     prepared = (None, 0, False) if prepared is None else prepared
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared)
     if not _plain_eager((q, k, v, mask, bias, prepared[0])):
         return forward(*inputs)
     if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))) or \
             _forward_ad_active():
-        if mask is not None and prepared[0] is None and q.device.type == "cuda":
+        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.device.type == "cuda":
             inputs = (*inputs[:9], *prepare(q, k, v, mask, causal))
         return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
