@@ -259,6 +259,12 @@ class PreparedMask:
         self._prepared = (storage, fingerprint, lists)
         self._version = mask._version
 
+    @classmethod
+    def of(cls, mask: torch.Tensor, prepared: tuple, causal: bool) -> "PreparedMask":
+        """The PreparedMask of mask from the (storage, fingerprint, lists) of an earlier preparation
+        of the same view of it (same memory, shape and strides; the library's fingerprint checks)."""
+        return cls(_kernel_operands(mask, None)[0], *prepared, causal)
+
     @property
     def nbytes(self) -> int:
         """Device memory the preparation holds (beside the mask)."""

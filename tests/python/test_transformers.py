@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from flash_dmattn import attention_reference, create_mask, topk_key_indices  # noqa: E402
+from flash_dmattn import attention_reference, create_mask, flash_dmattn_func, topk_key_indices  # noqa: E402
 from flash_dmattn.integrations.transformers import flash_dmattn_attention_forward, register  # noqa: E402
 from tolerance import assert_rounded, assert_within_baseline  # noqa: E402
 
@@ -232,6 +232,34 @@ def test_mask_formats_agree(device):
     outs = [flash_dmattn_attention_forward(module, q, k, v, mask)[0] for mask in (padding, bool_mask, float_mask)]
     assert_rounded("2-D vs 4-D bool", outs[0], outs[1])
     assert_rounded("4-D float vs 4-D bool", outs[2], outs[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_share_one_preparation_of_the_mask(device, monkeypatch):
+    """Two layers reading one 4-D bool mask prepare it once; a mask changed in place is prepared
+    again; results equal those of the bool mask itself."""
+    import flash_dmattn.integrations.transformers as integration
+    q, k, v, _ = _qkv_bias(device, seqlen_q=48)
+    rows = torch.arange(48, device=device)[:, None]
+    mask = (torch.arange(48, device=device)[None, :] <= rows)[None, None].expand(2, 1, 48, 48).clone()
+    prepared = []
+    real = integration.prepare_mask
+    monkeypatch.setattr(integration, "prepare_mask", lambda *a, **kw: prepared.append(1) or real(*a, **kw))
+    module = _Module()
+    outs = [flash_dmattn_attention_forward(module, q, k, v, mask)[0] for _ in range(2)]
+    assert len(prepared) == 1 and torch.equal(outs[0], outs[1])
+    expected = flash_dmattn_func(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+    assert torch.equal(outs[0], expected)
+    mask[:, :, 5, 0] = False
+    flash_dmattn_attention_forward(module, q, k, v, mask)
+    assert len(prepared) == 2
+    # The entry goes with the mask (it holds no reference to it).
+    key_id = id(mask)
+    assert key_id in integration._PREPARED
+    del mask, outs
+    import gc
+    gc.collect()
+    assert key_id not in integration._PREPARED
 
 
 def test_dropout_is_refused():

@@ -11,17 +11,20 @@ only the top-k keys of the bias per row (create_mask), or its own key lists as t
 `attention_indices` ((B|1, H|Hk|1, Sq|1, K) int, -1 pads; see masks.topk_key_indices), with the
 bias of each listed key as `attention_indices_bias` if it has one.
 
+A 4-D bool mask is prepared once (prepare_mask) and read by every layer and every backward.
+
 Packed batches (transformers' DataCollatorWithFlattening with return_flash_attn_kwargs=True, or
 any caller passing `cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q` and `max_length_k`, as
 transformers' flash-attention backends take them) run through flash_dmattn_varlen_func: every
 sequence attends to itself alone, and the bias, given over the packed tokens, is cut per sequence.
 """
 import os
+import weakref
 from typing import Optional
 
 import torch
 
-from ..interface import flash_dmattn_func
+from ..interface import PreparedMask, flash_dmattn_func, prepare_mask
 from ..masks import create_mask
 from ..varlen import flash_dmattn_varlen_func, gather_positions
 
@@ -31,6 +34,30 @@ PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 # Not "flash_dmattn": transformers takes every name that contains "flash" for a flash-attention
 # build of its own and tries to import one.
 NAME = "dmattn"
+
+
+# Every layer of a model reads the one attention_mask transformers built: the first layer prepares
+# it (prepare_mask: the kernels' tile summary and key lists), the others and every backward read
+# that preparation. An entry lives as long as the mask it was made from: it refers to the mask
+# weakly (by id, as tensors compare element-wise) and keeps the preparation's memory, not the
+# PreparedMask, whose view of the mask would keep the mask alive.
+_PREPARED = {}  # id(attention_mask) -> (weak reference to it, signature, (storage, fingerprint, lists))
+
+
+def _shared_preparation(attention_mask: torch.Tensor, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, is_causal: bool):
+    """The PreparedMask of mask (a view of attention_mask) for calls of these shapes: made once and
+    kept with attention_mask, made again when shapes, flag or the mask's contents changed."""
+    signature = (query.shape, key.shape, value.shape, query.device, is_causal, mask.data_ptr(), mask.shape,
+                 mask.stride(), mask._version)
+    key_id = id(attention_mask)
+    entry = _PREPARED.get(key_id)
+    if entry is not None and entry[0]() is attention_mask and entry[1] == signature:
+        return PreparedMask.of(mask, entry[2], is_causal)
+    prepared = prepare_mask(query, key, value, mask, is_causal=is_causal)
+    reference = weakref.ref(attention_mask, lambda _, key_id=key_id: _PREPARED.pop(key_id, None))
+    _PREPARED[key_id] = (reference, signature, prepared._prepared)
+    return prepared
 
 
 def _causal_mask(query_len: int, key_len: int, device: torch.device) -> torch.Tensor:
@@ -89,6 +116,7 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     is_causal = bool(is_causal) and query_len > 1
 
     mask = attention_mask
+    shared = False  # a 4-D bool mask with a row per query: every layer's calls may share its preparation
     if mask is not None and mask.dim() == 2:
         mask = mask.bool().view(mask.shape[0], 1, 1, mask.shape[1])[..., :key_len]
     elif mask is not None:
@@ -97,6 +125,8 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
         if mask.dtype != torch.bool:
             attention_bias = mask if attention_bias is None else attention_bias + mask
             mask = None
+        else:
+            shared = mask.size(2) > 1
 
     if attention_bias is not None and window_size is not None and key_len > window_size:
         # The top-k must choose among visible keys only, so causality goes into the mask first.
@@ -105,9 +135,12 @@ def flash_dmattn_attention_forward(module: torch.nn.Module, query: torch.Tensor,
             mask = causal if mask is None else mask & causal
         mask = create_mask(attention_bias, mask, query.shape[0], query_len, key_len, window_size,
                            torch.finfo(attention_bias.dtype).min, block_size=kwargs.get("block_size"))
+        shared = False  # each layer's own top-k
 
     dtype = _compute_dtype(module, query)
     query, key, value = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
+    if shared and kwargs.get("attention_indices") is None and not torch.compiler.is_compiling():
+        mask = _shared_preparation(attention_mask, mask, query, key, value, is_causal)
     out = flash_dmattn_func(query, key, value, attn_mask=mask, attn_bias=_bias_in(attention_bias, dtype),
                             softmax_scale=scaling, is_causal=is_causal, softcap=softcap,
                             deterministic=_deterministic(kwargs), attn_indices=kwargs.get("attention_indices"),
