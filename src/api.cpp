@@ -208,6 +208,7 @@ Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared) {
   if (!status.ok()) return status;
   status = check_memory("flash_dmattn.prepare_mask: argument 'prepared': memory: ", prepared->memory, required);
   if (!status.ok()) return status;
+  prepared->fingerprint = 0;  // a preparation that fails part way is one that was never made
   status = backend->prepare_mask(plain, problem, prepared);
   if (status.ok()) prepared->fingerprint = mask_fingerprint(*plain.mask, problem);
   return status;

@@ -15,6 +15,7 @@ a dynamic head dim would make them symbolic.
 
 No `from __future__ import annotations` here: torch.library reads the annotations as types.
 """
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -107,14 +108,22 @@ def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepare
                           prepared_mask=prepared)
 
 
+def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's shape with the head dim padded as _padded pads it, dtype and device: one
+    row of memory read through zero strides."""
+    width = t.size(-1) + (-t.size(-1) % _HEAD_DIM_MULTIPLE)
+    return torch.empty(width, dtype=t.dtype, device=t.device).expand(*t.shape[:-1], width)
+
+
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
             causal: bool) -> Tuple[torch.Tensor, int, bool]:
     """(storage, fingerprint, lists): mask prepared for the calls of these q, k, v and causal flag
     (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
     allocator (empty where the backend builds nothing, as on the CPU)."""
     batch, seqlen_q, heads, _ = q.shape
-    q, k, v = (_rows_aligned(_padded(t)) for t in (q, k, v))
-    # out and lse are validated as a forward's, never written (memory from the caching allocator).
+    # Only shapes, dtypes and devices are read: q, k and v as views of one padded row each (no
+    # copy), out and lse as the forward's (validated, never written; from the caching allocator).
+    q, k, v = (_shape_of_padded(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     args = _forward_args(q, k, v, out, lse, mask, None, None, causal, 0.0)
@@ -191,7 +200,11 @@ def _setup_context(ctx, inputs, output):
     # prepared mask goes to the backward, which then builds neither summary nor lists.
     ctx.save_for_backward(q, k, v, mask, bias, out, lse, prepared)
     ctx.options = (softmax_scale, causal, softcap, deterministic)
-    ctx.prepared = (fingerprint, lists)
+    # The preparation was made for the mask at this address; a saved-tensor hook that moves it
+    # (save_on_cpu, activation offloading) makes the backward build its own. (Traced graphs,
+    # whose tensors have no address, keep theirs.)
+    eager = prepared is not None and type(mask) is torch.Tensor
+    ctx.prepared = (fingerprint, lists, mask.data_ptr() if eager else None)
     ctx.mark_non_differentiable(lse)
 
 
@@ -199,7 +212,10 @@ def _gradients(ctx, dout, run_backward):
     q, k, v, mask, bias, out, lse, prepared = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
-    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, *ctx.prepared,
+    fingerprint, lists, mask_address = ctx.prepared
+    if mask_address is not None and mask.data_ptr() != mask_address:
+        prepared, fingerprint, lists = None, 0, False
+    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, fingerprint, lists,
                                      bias_grad)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
             dbias if bias_grad else None, None, None, None, None, None, None, None)
@@ -241,18 +257,23 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
     and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
 
-    prepared: (storage, fingerprint, lists) of prepare() for this call's mask, or None. An eager
-    call on CUDA that will need a backward prepares a mask with a row per query itself, so that
-    the forward's summary and key lists serve the backward too (kept until it runs: an eighth of
-    the bool mask's bytes for the summary, about as much again for the gather path's lists). A
-    mask shared by all queries has a summary too small to be worth the extra host work."""
+    prepared: (storage, fingerprint, lists) of prepare() for this call's mask, or None. On the
+    gather path (FLASH_DMATTN_SPARSE_PATH=gather), an eager call on CUDA that will need a backward
+    prepares a mask with a row per query itself, so that the forward's summary and key lists serve
+    the backward too: rebuilding the lists is half of a sparse backward. The preparation stays
+    until the backward runs (an eighth of the bool mask's bytes for the summary, about a fifth
+    more for the lists), once per call: layers that share a mask share one with prepare_mask
+    (the transformers integration does). The tile path rebuilds its summary in the backward
+    instead of holding it, unless given a preparation. A mask shared by all queries has a summary
+    too small to be worth the extra host work."""
     prepared = (None, 0, False) if prepared is None else prepared
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared)
     if not _plain_eager((q, k, v, mask, bias, prepared[0])):
         return forward(*inputs)
     if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))) or \
             _forward_ad_active():
-        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.device.type == "cuda":
+        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.device.type == "cuda" and \
+                os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather":
             inputs = (*inputs[:9], *prepare(q, k, v, mask, causal))
         return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)

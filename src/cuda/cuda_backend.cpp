@@ -585,6 +585,15 @@ class CudaSm80Backend final : public BackendImpl {
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
     prepared->lists = gather_applies(a.mask) && !p.empty();
     if (!a.mask || p.empty()) return Status::success();
+    // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH, which may have
+    // changed since.
+    const std::size_t needed = prepared_layout(*a.mask, p, prepared->lists).bytes();
+    if (prepared->memory.bytes < needed) {
+      return Status::error(StatusCode::invalid_argument,
+                           "flash_dmattn.prepare_mask: argument 'prepared': memory: expected at least " +
+                               std::to_string(needed) + " bytes (" + kSparsePathVariable +
+                               " changed since prepared_mask_size?), got " + std::to_string(prepared->memory.bytes));
+    }
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
     char* memory = static_cast<char*>(prepared->memory.data);

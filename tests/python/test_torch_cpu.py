@@ -228,6 +228,19 @@ def check_prepared_mask_matches_the_mask(device="cpu"):
     return case, t
 
 
+def test_saved_tensors_moved_by_a_hook_drop_the_preparation():
+    """A saved-tensor hook that moves the mask (save_on_cpu, offloading) makes the backward build
+    its own summary rather than refuse a preparation of another address."""
+    case, t, dout = prepared_mask_case()
+    prepared = flash_dmattn.prepare_mask(t["q"], t["k"], t["v"], case["mask"], is_causal=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x):
+        out = flash_dmattn_func(t["q"], t["k"], t["v"], attn_mask=prepared, attn_bias=t["bias"], is_causal=True)
+    moved = torch.autograd.grad(out, list(t.values()), dout)
+    out = flash_dmattn_func(t["q"], t["k"], t["v"], attn_mask=case["mask"], attn_bias=t["bias"], is_causal=True)
+    for a, b in zip(moved, torch.autograd.grad(out, list(t.values()), dout)):
+        assert torch.equal(a, b)
+
+
 def test_prepared_mask_matches_the_mask_and_refuses_what_it_can_see():
     case, t = check_prepared_mask_matches_the_mask()
     q, k, v, bias = t["q"], t["k"], t["v"], t["bias"]

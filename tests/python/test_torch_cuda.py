@@ -149,8 +149,10 @@ def test_mixed_devices_fail_before_launch():
 
 @pytest.mark.parametrize("path", ["tile", "gather"])
 def test_prepared_mask_matches_the_mask(path, monkeypatch):
-    """On both paths, a PreparedMask gives the bool mask's results bitwise; the backward of a call
-    with a bool mask reads the summary and lists its forward prepared."""
+    """On both paths, a PreparedMask gives the bool mask's results bitwise (on the gather path the
+    backward of a call with a bool mask reads the summary and lists its forward prepared). The
+    shape keeps the gather backward's fp32 reductions to two per element, so their order cannot
+    change a bit."""
     from test_torch_cpu import check_prepared_mask_matches_the_mask
     monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
     case, t = check_prepared_mask_matches_the_mask("cuda")
