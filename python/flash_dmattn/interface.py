@@ -247,8 +247,9 @@ class PreparedMask:
     """A bool mask prepared once (prepare_mask) for the calls that share it: every layer that reads
     the same mask, and each forward with its backward. Pass it as flash_dmattn_func's attn_mask.
 
-    It holds the mask and what the CUDA kernels would otherwise build from it on every call (the
-    tile summary and, with FLASH_DMATTN_SPARSE_PATH=gather, the key lists). The mask must not
+    It holds the mask and what the CUDA kernels would otherwise build from it on every call: the
+    tile summary and, for a mask with a row per query, the key lists of the gather path, where
+    preparing them chose that path (`path`). The mask must not
     change while the preparation is in use: a change in place through torch (which bumps the
     tensor's version counter) is refused with ValueError; one that bypasses torch cannot be seen.
     A call with other shapes, another causal flag or another device is refused too.
@@ -264,6 +265,12 @@ class PreparedMask:
         """The PreparedMask of mask from the (storage, fingerprint, lists) of an earlier preparation
         of the same view of it (same memory, shape and strides; the library's fingerprint checks)."""
         return cls(_kernel_operands(mask, None)[0], *prepared, causal)
+
+    @property
+    def path(self) -> str:
+        """The way its calls go under FLASH_DMATTN_SPARSE_PATH=auto: "gather" where the preparation
+        found the key lists small enough to pay (docs/architecture.md), else "tile"."""
+        return "gather" if self._prepared[2] else "tile"
 
     @property
     def nbytes(self) -> int:
@@ -287,7 +294,11 @@ class PreparedMask:
 def prepare_mask(query, key, value, attn_mask, is_causal=None) -> PreparedMask:
     """Prepares attn_mask once for every flash_dmattn_func call with these shapes, device and
     causal flag, and for their backwards (see PreparedMask). Arguments as flash_dmattn_func's;
-    only their shapes, dtypes and devices are read. Asynchronous on the current stream."""
+    only their shapes, dtypes and devices are read. Asynchronous on the current stream, but for
+    one wait: on CUDA under FLASH_DMATTN_SPARSE_PATH=auto (the default), a mask with a row per
+    query has its key lists built and their sizes read back to choose the path. During CUDA-graph
+    capture it cannot wait and chooses the tile path; FLASH_DMATTN_SPARSE_PATH=gather or tile
+    forces a path without waiting."""
     if attn_mask is None:
         _fail(ValueError, "attn_mask", "expected a bool mask to prepare, got None")
     _check_types(query, key, value, attn_mask, None, None)

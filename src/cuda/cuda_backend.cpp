@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <algorithm>
 
@@ -111,21 +112,35 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
 // Hopper GPU); unset or "auto" picks sm90a wherever it can run.
 enum class KernelFamily { sm80, sm90a };
 constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
-// The way through a masked call: "tile" (the default) walks the key tiles the tile summary
-// leaves active; "gather" computes only the keys some row of a query tile keeps, from per-tile
-// key lists (sm80 kernels; docs/architecture.md), in the forward and, where gather_backward()
-// allows, the backward.
+// The way through a masked call: "tile" walks the key tiles the tile summary leaves active;
+// "gather" computes only the keys some row of a query tile keeps, from per-tile key lists (sm80
+// kernels; docs/architecture.md), in the forward and, where gather_backward() allows, the
+// backward. "auto" (the default) takes the gather path for calls whose prepared mask chose it
+// (gather_pays) and the tile path otherwise: only a preparation measures the lists.
 constexpr const char* kSparsePathVariable = "FLASH_DMATTN_SPARSE_PATH";
+enum class SparsePath { automatic, tile, gather };
 
-// Whether the forward takes the gather path; a value that is neither tile nor gather sets *error.
-bool gather_requested(std::string* error = nullptr) {
+// The path FLASH_DMATTN_SPARSE_PATH asks for; a value it does not know sets *error.
+SparsePath sparse_path(std::string* error = nullptr) {
   const char* value = std::getenv(kSparsePathVariable);
-  const std::string mode = value && *value ? value : "tile";
-  if (mode != "tile" && mode != "gather" && error) {
-    *error = std::string("flash_dmattn: ") + kSparsePathVariable + " must be tile or gather, got '" + mode + "'";
+  const std::string mode = value && *value ? value : "auto";
+  if (mode == "tile") return SparsePath::tile;
+  if (mode == "gather") return SparsePath::gather;
+  if (mode != "auto" && error) {
+    *error = std::string("flash_dmattn: ") + kSparsePathVariable + " must be auto, tile or gather, got '" + mode + "'";
   }
-  return mode == "gather";
+  return SparsePath::automatic;
 }
+
+// The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
+// below which the key lists' keys (their union, in whole chunks) make the gather path the faster
+// one. Measured on an H200 with the bench CLI (seed: B1 H2/1 S16384 D32, causal, top-W of a bias
+// row; sm90a tile kernels, prepared masks): at a share of 0.12 (W 1024) gather fwd / bwd 0.23 /
+// 0.36 ms against tile 0.69 / 2.87; at 0.44 (W 4096) 0.53 / 0.62 against 0.60 / 2.66; at 1.0
+// (W 16384) 0.99 / 1.23 against 0.38 / 1.97. A line through the gather forwards crosses the
+// tile forward's 0.60 ms at 0.53. (At D128, B2 H16/4 S8192 top-2048, a share of about 0.45, the
+// gather forward is 2.4x faster.)
+constexpr double kGatherShareThreshold = 0.5;
 
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
 // the GPU (decode) or the gather path's key lists, and the workspace layout that follows:
@@ -193,8 +208,19 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
 // The gather path needs keys to choose and rows that choose them: a mask with a key dim and a row
 // per query. (A mask with one row for every query would give every query tile the same list, yet
 // each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.)
-bool gather_applies(const std::optional<TensorView>& mask) {
-  return mask && mask->shape[3] != 1 && mask->shape[2] != 1 && gather_requested();
+bool gather_possible(const std::optional<TensorView>& mask) {
+  return mask && mask->shape[3] != 1 && mask->shape[2] != 1;
+}
+
+// Whether a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it where it is
+// possible, tile forbids it, and auto follows the prepared mask's choice.
+bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared) {
+  switch (sparse_path()) {
+    case SparsePath::gather: return gather_possible(mask);
+    case SparsePath::tile: return false;
+    case SparsePath::automatic: return gather_possible(mask) && prepared && prepared->lists;
+  }
+  return false;
 }
 
 // The key lists of a call's mask, for a kernel whose tiles are block_m query rows by block_n keys.
@@ -240,6 +266,40 @@ bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& 
   return held.block_m == wanted.block_m && held.block_n == wanted.block_n;
 }
 
+// Whether a preparation makes room for key lists: where the gather path is possible and not
+// forbidden (FLASH_DMATTN_SPARSE_PATH=tile).
+bool lists_room(const ForwardArgs& a, const Problem& p) {
+  return gather_possible(a.mask) && sparse_path() != SparsePath::tile && !p.empty();
+}
+
+// Whether the gather path pays for lists just built on `stream` (kGatherShareThreshold): waits
+// for them and reads their sizes back, the one synchronization of a preparation under
+// FLASH_DMATTN_SPARSE_PATH=auto. A stream being captured into a CUDA graph cannot wait: there
+// the preparation keeps the tile path (docs/python.md).
+cudaError_t gather_pays(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
+                        bool* pays) {
+  *pays = false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t error = cudaStreamIsCapturing(stream, &capture);
+  if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
+  std::vector<int> counts(static_cast<std::size_t>(e.lists()));
+  if (counts.empty()) return cudaSuccess;
+  error = cudaMemcpyAsync(counts.data(), lists.counts, counts.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
+  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+  if (error != cudaSuccess) return error;
+  const auto chunks = [&](std::int64_t keys) { return (keys + e.block_n - 1) / e.block_n; };
+  std::int64_t listed = 0, span = 0;
+  for (std::size_t list = 0; list < counts.size(); ++list) {
+    const std::int64_t tile = static_cast<std::int64_t>(list) % e.query_tiles();
+    const std::int64_t rows_end = std::min<std::int64_t>((tile + 1) * e.block_m, e.seqlen_q);
+    const std::int64_t keys = e.causal ? std::clamp<std::int64_t>(rows_end + e.diagonal, 0, e.seqlen_k) : e.seqlen_k;
+    listed += chunks(counts[list]);
+    span += chunks(keys);
+  }
+  *pays = span > 0 && static_cast<double>(listed) <= kGatherShareThreshold * static_cast<double>(span);
+  return cudaSuccess;
+}
+
 // The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`
 // into `workspace`.
 cudaError_t mask_summary(const TensorView& mask, const Problem& p, const PreparedMask* prepared, void* workspace,
@@ -268,7 +328,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   // The gather path's lists are per query tile of one mask head, so it neither packs GQA heads
   // nor splits the keys.
-  if (gather_applies(a.mask)) {
+  if (gather_applies(a.mask, a.prepared_mask)) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.mask, p);
@@ -346,11 +406,11 @@ struct BackwardPlan {
   std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
 
-// Whether a backward takes the gather path (FLASH_DMATTN_SPARSE_PATH=gather): where the forward
+// Whether a backward takes the gather path (gather_applies): where the forward
 // would, but not in deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!gather_applies(a.mask) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  if (!gather_applies(a.mask, a.prepared_mask) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
   int available = 0;
   if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
@@ -500,7 +560,7 @@ class CudaSm80Backend final : public BackendImpl {
   Status check_settings(const Problem& p, Pass pass) const override {
     std::string error;
     choose_family(p, arch_of(p.device.index), pass, &error);
-    if (error.empty()) gather_requested(&error);
+    if (error.empty()) sparse_path(&error);
     return error.empty() ? Status::success() : Status::error(StatusCode::invalid_argument, error);
   }
 
@@ -578,12 +638,12 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared) const override {
     if (!a.mask) return 0;
-    const bool lists = prepared ? prepared->lists : gather_applies(a.mask) && !p.empty();
+    const bool lists = prepared ? prepared->lists : lists_room(a, p);
     return prepared_layout(*a.mask, p, lists).bytes();
   }
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
-    prepared->lists = gather_applies(a.mask) && !p.empty();
+    prepared->lists = lists_room(a, p);
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH, which may have
     // changed since.
@@ -600,11 +660,15 @@ class CudaSm80Backend final : public BackendImpl {
     kernels::TileSummary summary;
     cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), memory, stream, &summary);
     if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
-    if (prepared->lists) {
-      kernels::KeyLists lists;
-      e = kernels::build_key_lists(forward_list_extent(*a.mask, p), summary,
-                                   memory + prepared_layout(*a.mask, p, true).lists_offset(), stream, &lists);
-      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+    if (!prepared->lists) return Status::success();
+    const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
+    kernels::KeyLists lists;
+    e = kernels::build_key_lists(extent, summary, memory + prepared_layout(*a.mask, p, true).lists_offset(), stream,
+                                 &lists);
+    if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+    if (sparse_path() == SparsePath::automatic) {
+      e = gather_pays(extent, lists, stream, &prepared->lists);
+      if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
     }
     return Status::success();
   }

@@ -443,15 +443,37 @@ def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):
                         lambda *a, **k: seen.append(os.environ.get("FLASH_DMATTN_SPARSE_PATH")) or real(*a, **k))
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
     runner = gather.runner(make_problem(case, torch.bfloat16, torch.device("cpu")), grad=False)
-    assert "gather path, prepared mask" in runner.notes and runner.rebuild is not None
+    assert runner.notes[-1] == "prepared mask" and runner.rebuild is not None
     with runner.scope():
         runner.call(*runner.inputs)
         assert os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"
     assert seen == ["gather"] and "FLASH_DMATTN_SPARSE_PATH" not in os.environ
+    # The note names the path the preparation chose (the CPU backend builds no lists).
+    assert runner.notes[-1] == "prepared mask, tile path"
     monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "tile")
     with runner.scope():
         pass
     assert os.environ["FLASH_DMATTN_SPARSE_PATH"] == "tile"
+
+
+def test_ours_prepared_leaves_the_choice_to_the_preparation(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from flash_dmattn.bench.impls import IMPLEMENTATIONS, OursPrepared
+    from flash_dmattn.bench.problem import make_problem
+    prepared = IMPLEMENTATIONS["ours_prepared"]
+    assert type(prepared) is OursPrepared and prepared.unavailable(torch.device("cpu")) is None
+    case = suites.Case("t", 1, 2, 1, 8, 8, 16, True, "window", 3)
+    assert prepared.unsupported(suites.Case("t", 1, 2, 1, 8, 8, 16, True, "none"), torch.device("cpu"))
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "tile")
+    problem = make_problem(case, torch.bfloat16, torch.device("cpu"))
+    runner = prepared.runner(problem, grad=False)
+    with runner.scope():
+        assert os.environ["FLASH_DMATTN_SPARSE_PATH"] == "auto"
+        out = runner.call(*runner.inputs)
+    assert os.environ["FLASH_DMATTN_SPARSE_PATH"] == "tile"
+    assert runner.notes[-1] == "prepared mask, tile path"
+    expected = IMPLEMENTATIONS["ours"].runner(problem, grad=False).call(*runner.inputs)
+    assert torch.equal(out, expected)
 
 
 def test_serving_suite_cases():

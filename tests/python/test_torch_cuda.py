@@ -157,7 +157,49 @@ def test_prepared_mask_matches_the_mask(path, monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
     case, t = check_prepared_mask_matches_the_mask("cuda")
     prepared = flash_dmattn.prepare_mask(t["q"], t["k"], t["v"], case["mask"], is_causal=True)
-    assert prepared.nbytes > 0 and prepared._prepared[2] == (path == "gather")
+    assert prepared.nbytes > 0 and prepared.path == path
+
+
+def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
+    """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
+    the key lists hold at most half the causal span (cuda_backend.cpp kGatherShareThreshold), the
+    tile path for a full mask, and the tile path during CUDA-graph capture, where it cannot wait
+    for the lists' sizes. Its calls then give what the forced path gives."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    case = make_case(1, 512, 512, 2, 1, 32, device="cuda", bias_shape=(1, 1, 1, 512))
+    q, k, v = case["q"], case["k"], case["v"]
+    keep = torch.zeros(512, dtype=torch.bool)
+    keep[torch.randperm(512, generator=torch.Generator().manual_seed(1))[:24]] = True
+    sparse = keep.expand(1, 1, 512, 512).contiguous().cuda()  # every query tile lists at most 24 keys
+    full = torch.ones(1, 1, 512, 512, dtype=torch.bool, device="cuda")
+    try:
+        prepared = flash_dmattn.prepare_mask(q, k, v, sparse, is_causal=True)
+    except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
+        pytest.skip(str(error))
+    assert prepared.path == "gather"
+    assert flash_dmattn.prepare_mask(q, k, v, full, is_causal=True).path == "tile"
+    leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
+    dout = torch.randn_like(q)
+
+    def run(mask):
+        out = flash_dmattn_func(leaves["q"], leaves["k"], leaves["v"], attn_mask=mask, attn_bias=leaves["bias"],
+                                is_causal=True)
+        return (out, *torch.autograd.grad(out, list(leaves.values()), dout))
+
+    auto = run(prepared)
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
+    gather = run(sparse)
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "tile")
+    tile = run(sparse)
+    assert torch.equal(auto[0], gather[0])  # the same kernel over the same lists
+    for a, g, t in zip(auto, gather, tile):
+        torch.testing.assert_close(a, g, atol=1e-2, rtol=1e-2)  # reductions in another order
+        torch.testing.assert_close(a, t, atol=2e-2, rtol=2e-2)
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_dmattn.prepare_mask(q, k, v, sparse, is_causal=True)
+    assert captured.path == "tile"
 
 
 def test_opcheck_on_cuda():

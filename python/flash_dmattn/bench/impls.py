@@ -4,10 +4,13 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
 
 - ours: flash_dmattn_func with the bool mask and the (B, Hk, 1, Sk) bias; the bias gradient
   comes from bias.requires_grad.
-- ours_gather: the same with FLASH_DMATTN_SPARSE_PATH=gather set around each call: forward and
-  backward over per-tile key lists (CUDA, masked cases; the backward keeps the tile path past
-  head dim 128 and in deterministic mode), with the mask prepared once (prepare_mask: the
-  summary and the lists, timed as prep, as FlexAttention's BlockMask is).
+- ours_prepared: the same with the mask prepared once (prepare_mask: the tile summary and, where
+  they may serve, the key lists, timed as prep, as FlexAttention's BlockMask is). The
+  preparation chooses the tile or the gather path (FLASH_DMATTN_SPARSE_PATH=auto); the notes
+  say which.
+- ours_gather: ours_prepared with FLASH_DMATTN_SPARSE_PATH=gather set around each call: forward
+  and backward over per-tile key lists (CUDA, masked cases; the backward keeps the tile path
+  past head dim 128 and in deterministic mode).
 - ours_varlen: flash_dmattn_varlen_func on a case's sequences of several lengths (serving suite)
   packed back to back; mask and bias in its per-sequence layout. ours takes the padded batch.
 - ours_paged: flash_dmattn_with_kvcache on a paged copy of a decode case's cache (pages in a
@@ -168,9 +171,42 @@ class Ours(Implementation):
                       lambda name, t: t)
 
 
-class OursGather(Ours):
+class OursPrepared(Ours):
+    """ours with the mask prepared once (prepare_mask), as FlexAttention's BlockMask is built
+    once: its time is the prep column, and the calls read it. Under FLASH_DMATTN_SPARSE_PATH=auto
+    the preparation chooses the path (its notes say which)."""
+    name = "ours_prepared"
+    path = "auto"  # FLASH_DMATTN_SPARSE_PATH around each call
+
+    def unsupported(self, case, device):
+        return "nothing to prepare without a mask" if case.mask == "none" else None
+
+    def runner(self, problem, grad):
+        from ..interface import flash_dmattn_func, prepare_mask
+        runner = super().runner(problem, grad)
+        runner.environment["FLASH_DMATTN_SPARSE_PATH"] = self.path
+        causal = problem.case.causal
+        # The rotating input copies hold the same mask, so every call reads the first's preparation.
+        prepared = {}
+        runner.notes.append("prepared mask")
+
+        def rebuild():
+            prepared["mask"] = prepare_mask(problem.q, problem.k, problem.v, problem.mask, is_causal=causal)
+            runner.notes[-1] = f"prepared mask, {prepared['mask'].path} path"
+            return prepared["mask"]
+
+        def call(q, k, v, bias, mask):
+            if "mask" not in prepared:
+                rebuild()
+            return flash_dmattn_func(q, k, v, attn_mask=prepared["mask"], attn_bias=bias, is_causal=causal)
+
+        runner.call, runner.rebuild = call, rebuild
+        return runner
+
+
+class OursGather(OursPrepared):
     name = "ours_gather"
-    _VARIABLE = "FLASH_DMATTN_SPARSE_PATH"
+    path = "gather"
     tiles = staticmethod(gather_tiles)  # visits: the keys of each query tile's list
 
     def unavailable(self, device):
@@ -180,29 +216,6 @@ class OursGather(Ours):
 
     def unsupported(self, case, device):
         return "the gather path needs a mask" if case.mask == "none" else None
-
-    def runner(self, problem, grad):
-        from ..interface import flash_dmattn_func, prepare_mask
-        runner = super().runner(problem, grad)
-        runner.environment[self._VARIABLE] = "gather"
-        causal = problem.case.causal
-        # The mask prepared once (summary and key lists), as Flex's BlockMask is built once: its
-        # time is the prep column, and the calls read it. The rotating input copies hold the same
-        # mask, so every call reads the preparation of the first.
-        prepared = {}
-
-        def rebuild():
-            prepared["mask"] = prepare_mask(problem.q, problem.k, problem.v, problem.mask, is_causal=causal)
-            return prepared["mask"]
-
-        def call(q, k, v, bias, mask):
-            if "mask" not in prepared:
-                rebuild()
-            return flash_dmattn_func(q, k, v, attn_mask=prepared["mask"], attn_bias=bias, is_causal=causal)
-
-        runner.call, runner.rebuild = call, rebuild
-        runner.notes.append("gather path, prepared mask")
-        return runner
 
 
 class _Sequences:
@@ -536,5 +549,5 @@ class Flex(Implementation):
         return runner
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursGather(), OursVarlen(), OursPaged(), SdpaEfficient(),
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursPrepared(), OursGather(), OursVarlen(), OursPaged(), SdpaEfficient(),
                                                 SdpaCudnn(), SdpaFlash(), Flex())}
