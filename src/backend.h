@@ -37,10 +37,10 @@ class BackendImpl {
                                          const PreparedMask* /*prepared*/) const {
     return 0;
   }
-  // Builds it into prepared->memory (of at least the reported size) and sets prepared->lists.
+  // Builds it into prepared->memory (of at least the reported size) and sets prepared's gather flags.
   virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/,
                               PreparedMask* prepared) const {
-    prepared->lists = false;
+    prepared->gather_forward = prepared->gather_backward = false;
     return Status::success();
   }
   // Both run on validated arguments with a workspace of at least the reported size.

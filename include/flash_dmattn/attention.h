@@ -67,7 +67,11 @@ struct AttentionOptions {
 struct PreparedMask {
   Workspace memory;              // prepared_mask_size() bytes on the mask's device, kWorkspaceAlignment-aligned
   std::uint64_t fingerprint = 0;  // of the call it was prepared for (set by prepare_mask)
-  bool lists = false;             // whether its calls take the gather path over the key lists it holds (set by prepare_mask)
+  // Whether its forwards, and its backwards, take the gather path over the key lists it holds
+  // (set by prepare_mask; a backward where the gather backward runs, else the tile path).
+  bool gather_forward = false, gather_backward = false;
+
+  bool lists() const { return gather_forward || gather_backward; }
 };
 
 struct ForwardArgs {
@@ -115,10 +119,10 @@ Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes);
 // backend builds nothing, as on the CPU). args: a masked forward's, validated as such.
 Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes);
 // Prepares args.mask for the calls of these arguments (and their backward) into
-// prepared->memory and sets its fingerprint and lists; asynchronous on args.options.stream,
+// prepared->memory and sets its fingerprint and paths; asynchronous on args.options.stream,
 // except that on CUDA under FLASH_DMATTN_SPARSE_PATH=auto (the default) a mask with a row per
 // query and a key per column has its key lists built and their sizes read back (one wait for
-// the stream) to choose between the gather and the tile path; on a stream being captured into a
+// the stream) to choose between the gather and the tile path, for each pass; on a stream being captured into a
 // CUDA graph it chooses the tile path without waiting. Writes neither out nor lse.
 Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared);
 

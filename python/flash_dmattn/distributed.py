@@ -198,7 +198,7 @@ class _RingAttention(torch.autograd.Function):
                 dq_block, dk_block, dv_block, dbias_block = torch_ops.backward(
                     dout[:, step.rows], q[:, step.rows], kv[0][:, step.keys], kv[1][:, step.keys],
                     _block_operand(mask, step, chunk), _block_operand(bias, step, chunk), out[:, step.rows],
-                    lse[:, :, step.rows], softmax_scale, step.causal, softcap, deterministic, None, 0, False,
+                    lse[:, :, step.rows], softmax_scale, step.causal, softcap, deterministic, None, 0, 0,
                     bias_grad)
                 dq[:, step.rows] += dq_block.float()
                 if bias_grad:

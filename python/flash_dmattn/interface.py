@@ -255,22 +255,28 @@ class PreparedMask:
     A call with other shapes, another causal flag or another device is refused too.
     """
 
-    def __init__(self, mask: torch.Tensor, storage: torch.Tensor, fingerprint: int, lists: bool, causal: bool):
+    def __init__(self, mask: torch.Tensor, storage: torch.Tensor, fingerprint: int, paths: int, causal: bool):
         self.mask, self.causal = mask, causal
-        self._prepared = (storage, fingerprint, lists)
+        self._prepared = (storage, fingerprint, paths)
         self._version = mask._version
 
     @classmethod
     def of(cls, mask: torch.Tensor, prepared: tuple, causal: bool) -> "PreparedMask":
-        """The PreparedMask of mask from the (storage, fingerprint, lists) of an earlier preparation
+        """The PreparedMask of mask from the (storage, fingerprint, paths) of an earlier preparation
         of the same view of it (same memory, shape and strides; the library's fingerprint checks)."""
         return cls(_kernel_operands(mask, None)[0], *prepared, causal)
 
     @property
     def path(self) -> str:
-        """The way its calls go under FLASH_DMATTN_SPARSE_PATH=auto: "gather" where the preparation
-        found the key lists small enough to pay (docs/architecture.md), else "tile"."""
-        return "gather" if self._prepared[2] else "tile"
+        """The way its forwards go under FLASH_DMATTN_SPARSE_PATH=auto: "gather" where the
+        preparation found the key lists small enough to pay (docs/architecture.md), else "tile"."""
+        return "gather" if self._prepared[2] & 1 else "tile"
+
+    @property
+    def backward_path(self) -> str:
+        """The same for its backwards, whose gather path pays up to more keys at some head dims
+        (past head dim 128 and in deterministic mode the backward runs the tile path regardless)."""
+        return "gather" if self._prepared[2] & 2 else "tile"
 
     @property
     def nbytes(self) -> int:
@@ -278,7 +284,7 @@ class PreparedMask:
         return self._prepared[0].numel()
 
     def _for_call(self, is_causal: bool, attn_indices) -> tuple:
-        """(mask, (storage, fingerprint, lists)) for a call, after the checks the Python side can make."""
+        """(mask, (storage, fingerprint, paths)) for a call, after the checks the Python side can make."""
         if attn_indices is not None:
             _fail(ValueError, "attn_mask", "expected a bool mask beside attn_indices, got a PreparedMask (the indices "
                                            "change the mask it was prepared from)")

@@ -91,12 +91,13 @@ def _unpadded(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t if t.size(-1) == head_dim else t[..., :head_dim].contiguous()
 
 
-def _prepared(storage: Optional[torch.Tensor], fingerprint: int, lists: bool):
+def _prepared(storage: Optional[torch.Tensor], fingerprint: int, paths: int):
     """The module's PreparedMask over storage (None: no preparation). The op schemas carry the
-    fingerprint as a signed 64-bit int."""
+    fingerprint as a signed 64-bit int, and the passes that take the gather path as `paths` (bit 0
+    the forward, bit 1 the backward)."""
     if storage is None:
         return None
-    return _C.PreparedMask(storage.data_ptr(), storage.numel(), fingerprint % 2**64, lists)
+    return _C.PreparedMask(storage.data_ptr(), storage.numel(), fingerprint % 2**64, paths)
 
 
 def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared=None):
@@ -116,8 +117,8 @@ def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            causal: bool) -> Tuple[torch.Tensor, int, bool]:
-    """(storage, fingerprint, lists): mask prepared for the calls of these q, k, v and causal flag
+            causal: bool) -> Tuple[torch.Tensor, int, int]:
+    """(storage, fingerprint, paths): mask prepared for the calls of these q, k, v and causal flag
     (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
     allocator (empty where the backend builds nothing, as on the CPU)."""
     batch, seqlen_q, heads, _ = q.shape
@@ -131,13 +132,13 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     prepared = _C.PreparedMask(storage.data_ptr(), storage.numel())
     _C.prepare_mask(args, prepared)
     fingerprint = prepared.fingerprint
-    return storage, fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint, prepared.lists
+    return storage, fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint, prepared.paths
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, softcap: float,
             deterministic: bool, prepared: Optional[torch.Tensor] = None, prepared_fingerprint: int = 0,
-            prepared_lists: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+            prepared_paths: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward: setup_context sees the forward's inputs alone.
     batch, seqlen_q, heads, head_dim = q.shape
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
@@ -145,7 +146,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap,
-                         _prepared(prepared, prepared_fingerprint, prepared_lists))
+                         _prepared(prepared, prepared_fingerprint, prepared_paths))
     _run(_C.forward, _C.forward_workspace_size, args, q.device)
     return _unpadded(out, head_dim), lse
 
@@ -155,7 +156,7 @@ forward = torch.library.custom_op("flash_dmattn::forward", _forward, mutates_arg
 
 @forward.register_fake
 def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None, prepared_fingerprint=0,
-      prepared_lists=False):
+      prepared_paths=0):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -163,7 +164,7 @@ def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepar
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float],
              causal: bool, softcap: float, deterministic: bool, prepared: Optional[torch.Tensor],
-             prepared_fingerprint: int, prepared_lists: bool,
+             prepared_fingerprint: int, prepared_paths: int,
              bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is empty unless bias_grad (a custom op cannot return None)."""
     head_dim = q.size(-1)
@@ -178,7 +179,7 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                            mask=_optional_view(mask, device), bias=_optional_view(bias, device),
                            dbias=_view(dbias, device) if bias_grad else None, softmax_scale=scale, causal=causal,
                            softcap=softcap, deterministic=deterministic, stream=_stream(q.device),
-                           prepared_mask=_prepared(prepared, prepared_fingerprint, prepared_lists))
+                           prepared_mask=_prepared(prepared, prepared_fingerprint, prepared_paths))
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
 
@@ -188,13 +189,13 @@ backward = torch.library.custom_op("flash_dmattn::backward", _backward_impl, mut
 
 @backward.register_fake
 def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, prepared,
-      prepared_fingerprint, prepared_lists, bias_grad):
+      prepared_fingerprint, prepared_paths, bias_grad):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared, fingerprint, lists = inputs
+    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared, fingerprint, paths = inputs
     out, lse = output
     # Saved whichever inputs require grad: a call where only the bias does needs them all too. The
     # prepared mask goes to the backward, which then builds neither summary nor lists.
@@ -204,7 +205,7 @@ def _setup_context(ctx, inputs, output):
     # (save_on_cpu, activation offloading) makes the backward build its own. (Traced graphs,
     # whose tensors have no address, keep theirs.)
     eager = prepared is not None and type(mask) is torch.Tensor
-    ctx.prepared = (fingerprint, lists, mask.data_ptr() if eager else None)
+    ctx.prepared = (fingerprint, paths, mask.data_ptr() if eager else None)
     ctx.mark_non_differentiable(lse)
 
 
@@ -212,10 +213,10 @@ def _gradients(ctx, dout, run_backward):
     q, k, v, mask, bias, out, lse, prepared = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
-    fingerprint, lists, mask_address = ctx.prepared
+    fingerprint, paths, mask_address = ctx.prepared
     if mask_address is not None and mask.data_ptr() != mask_address:
-        prepared, fingerprint, lists = None, 0, False
-    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, fingerprint, lists,
+        prepared, fingerprint, paths = None, 0, 0
+    dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, fingerprint, paths,
                                      bias_grad)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
             dbias if bias_grad else None, None, None, None, None, None, None, None)
@@ -262,7 +263,7 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
     and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
 
-    prepared: (storage, fingerprint, lists) of prepare() for this call's mask, or None. On the
+    prepared: (storage, fingerprint, paths) of prepare() for this call's mask, or None. On the
     gather path (FLASH_DMATTN_SPARSE_PATH=gather), an eager call on CUDA that will need a backward
     prepares a mask with a row per query itself, so that the forward's summary and key lists serve
     the backward too: rebuilding the lists is half of a sparse backward. The preparation stays
@@ -271,7 +272,7 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     (the transformers integration does). The tile path rebuilds its summary in the backward
     instead of holding it, unless given a preparation. A mask shared by all queries has a summary
     too small to be worth the extra host work."""
-    prepared = (None, 0, False) if prepared is None else prepared
+    prepared = (None, 0, 0) if prepared is None else prepared
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared)
     if not _plain_eager((q, k, v, mask, bias, prepared[0])):
         return forward(*inputs)

@@ -116,7 +116,7 @@ constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
 // "gather" computes only the keys some row of a query tile keeps, from per-tile key lists (sm80
 // kernels; docs/architecture.md), in the forward and, where gather_backward() allows, the
 // backward. "auto" (the default) takes the gather path for calls whose prepared mask chose it
-// (gather_pays) and the tile path otherwise: only a preparation measures the lists.
+// (prepare_mask, listed_share) and the tile path otherwise: only a preparation measures the lists.
 constexpr const char* kSparsePathVariable = "FLASH_DMATTN_SPARSE_PATH";
 enum class SparsePath { automatic, tile, gather };
 
@@ -133,14 +133,17 @@ SparsePath sparse_path(std::string* error = nullptr) {
 }
 
 // The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
-// below which the key lists' keys (their union, in whole chunks) make the gather path the faster
-// one. Measured on an H200 with the bench CLI (seed: B1 H2/1 S16384 D32, causal, top-W of a bias
-// row; sm90a tile kernels, prepared masks): at a share of 0.12 (W 1024) gather fwd / bwd 0.23 /
-// 0.36 ms against tile 0.69 / 2.87; at 0.44 (W 4096) 0.53 / 0.62 against 0.60 / 2.66; at 1.0
-// (W 16384) 0.99 / 1.23 against 0.38 / 1.97. A line through the gather forwards crosses the
-// tile forward's 0.60 ms at 0.53. (At D128, B2 H16/4 S8192 top-2048, a share of about 0.45, the
-// gather forward is 2.4x faster.)
-constexpr double kGatherShareThreshold = 0.5;
+// up to which the key lists' keys (their union, in whole chunks) make the gather path the faster
+// one, per pass. Measured on an H200 with the bench CLI (seed: B1 H2/1 S16384 D32, causal, top-W
+// of a bias row; sm90a tile kernels, prepared masks), fwd / bwd ms: at a share of 0.12 (W 1024)
+// gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 (W 4096) 0.53 / 0.62 against 0.60 /
+// 2.66; at 0.75 (W 8192) 0.73 / 0.92 against 0.53 / 2.14; at 1.0 (W 16384) 1.05 / 1.25 against
+// 0.39 / 2.01. A line through the gathered forwards crosses the tile forward near 0.53; the
+// gathered backward stays faster at every share. At D128 (B2 H16/4 S8192, 2048 scattered keys,
+// a share of about 0.45) the gather path is 2.4x (fwd) and 2.6x (bwd) faster; its crossover
+// there, and anything at D64, is not measured: those backwards keep the forward's threshold.
+constexpr double kGatherForwardShare = 0.5;
+double gather_backward_share(std::int64_t head_dim) { return head_dim <= 32 ? 1.0 : kGatherForwardShare; }
 
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
 // the GPU (decode) or the gather path's key lists, and the workspace layout that follows:
@@ -212,13 +215,15 @@ bool gather_possible(const std::optional<TensorView>& mask) {
   return mask && mask->shape[3] != 1 && mask->shape[2] != 1;
 }
 
-// Whether a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it where it is
-// possible, tile forbids it, and auto follows the prepared mask's choice.
-bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared) {
+// Whether a pass of a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it
+// where it is possible, tile forbids it, and auto follows the prepared mask's choice.
+bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared, Pass pass) {
   switch (sparse_path()) {
     case SparsePath::gather: return gather_possible(mask);
     case SparsePath::tile: return false;
-    case SparsePath::automatic: return gather_possible(mask) && prepared && prepared->lists;
+    case SparsePath::automatic:
+      return gather_possible(mask) && prepared &&
+             (pass == Pass::forward ? prepared->gather_forward : prepared->gather_backward);
   }
   return false;
 }
@@ -261,7 +266,7 @@ PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool li
 // Whether a call reads its lists from its prepared mask: one that holds lists of its tile.
 bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
                     const Problem& p) {
-  if (!prepared || !prepared->lists) return false;
+  if (!prepared || !prepared->lists()) return false;
   const kernels::KeyListExtent held = forward_list_extent(mask, p);
   return held.block_m == wanted.block_m && held.block_n == wanted.block_n;
 }
@@ -272,13 +277,13 @@ bool lists_room(const ForwardArgs& a, const Problem& p) {
   return gather_possible(a.mask) && sparse_path() != SparsePath::tile && !p.empty();
 }
 
-// Whether the gather path pays for lists just built on `stream` (kGatherShareThreshold): waits
-// for them and reads their sizes back, the one synchronization of a preparation under
-// FLASH_DMATTN_SPARSE_PATH=auto. A stream being captured into a CUDA graph cannot wait: there
-// the preparation keeps the tile path (docs/python.md).
-cudaError_t gather_pays(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
-                        bool* pays) {
-  *pays = false;
+// The share of the key span that lists just built on `stream` hold (kGatherForwardShare), or -1
+// where it cannot be known: waits for the lists and reads their sizes back, the one
+// synchronization of a preparation under FLASH_DMATTN_SPARSE_PATH=auto. A stream being captured
+// into a CUDA graph cannot wait (docs/python.md).
+cudaError_t listed_share(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
+                         double* share) {
+  *share = -1;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t error = cudaStreamIsCapturing(stream, &capture);
   if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
@@ -296,7 +301,7 @@ cudaError_t gather_pays(const kernels::KeyListExtent& e, const kernels::KeyLists
     listed += chunks(counts[list]);
     span += chunks(keys);
   }
-  *pays = span > 0 && static_cast<double>(listed) <= kGatherShareThreshold * static_cast<double>(span);
+  if (span > 0) *share = static_cast<double>(listed) / static_cast<double>(span);
   return cudaSuccess;
 }
 
@@ -328,7 +333,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   // The gather path's lists are per query tile of one mask head, so it neither packs GQA heads
   // nor splits the keys.
-  if (gather_applies(a.mask, a.prepared_mask)) {
+  if (gather_applies(a.mask, a.prepared_mask, Pass::forward)) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.mask, p);
@@ -410,7 +415,7 @@ struct BackwardPlan {
 // would, but not in deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!gather_applies(a.mask, a.prepared_mask) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  if (!gather_applies(a.mask, a.prepared_mask, Pass::backward) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
   int available = 0;
   if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
@@ -638,16 +643,16 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared) const override {
     if (!a.mask) return 0;
-    const bool lists = prepared ? prepared->lists : lists_room(a, p);
+    const bool lists = prepared ? prepared->lists() : lists_room(a, p);
     return prepared_layout(*a.mask, p, lists).bytes();
   }
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
-    prepared->lists = lists_room(a, p);
+    prepared->gather_forward = prepared->gather_backward = lists_room(a, p);
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH, which may have
     // changed since.
-    const std::size_t needed = prepared_layout(*a.mask, p, prepared->lists).bytes();
+    const std::size_t needed = prepared_layout(*a.mask, p, prepared->lists()).bytes();
     if (prepared->memory.bytes < needed) {
       return Status::error(StatusCode::invalid_argument,
                            "flash_dmattn.prepare_mask: argument 'prepared': memory: expected at least " +
@@ -660,15 +665,18 @@ class CudaSm80Backend final : public BackendImpl {
     kernels::TileSummary summary;
     cudaError_t e = kernels::build_tile_summary(mask_extent(*a.mask, p), memory, stream, &summary);
     if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
-    if (!prepared->lists) return Status::success();
+    if (!prepared->lists()) return Status::success();
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
     kernels::KeyLists lists;
     e = kernels::build_key_lists(extent, summary, memory + prepared_layout(*a.mask, p, true).lists_offset(), stream,
                                  &lists);
     if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     if (sparse_path() == SparsePath::automatic) {
-      e = gather_pays(extent, lists, stream, &prepared->lists);
+      double share = -1;
+      e = listed_share(extent, lists, stream, &share);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
+      prepared->gather_forward = share >= 0 && share <= kGatherForwardShare;
+      prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
     }
     return Status::success();
   }

@@ -147,20 +147,24 @@ NB_MODULE(_C, m) {
                ", strides=" + v.stride_string() + ", " + fd::device_name(v.device) + ")";
       });
 
+  // paths: bit 0 gather_forward, bit 1 gather_backward (one int through the torch ops' schemas).
   nb::class_<fd::PreparedMask>(m, "PreparedMask",
                                "A mask prepared for the calls that share it (attention.h PreparedMask): its memory, "
-                               "and the fingerprint and lists flag prepare_mask() sets")
+                               "and the fingerprint and gather paths prepare_mask() sets")
       .def(
           "__init__",
-          [](fd::PreparedMask* self, std::uintptr_t data, std::size_t bytes, std::uint64_t fingerprint, bool lists) {
+          [](fd::PreparedMask* self, std::uintptr_t data, std::size_t bytes, std::uint64_t fingerprint, int paths) {
             auto* prepared = new (self) fd::PreparedMask();
             prepared->memory = workspace(data, bytes);
             prepared->fingerprint = fingerprint;
-            prepared->lists = lists;
+            prepared->gather_forward = (paths & 1) != 0;
+            prepared->gather_backward = (paths & 2) != 0;
           },
-          nb::arg("data") = 0, nb::arg("bytes") = 0, nb::arg("fingerprint") = 0, nb::arg("lists") = false)
+          nb::arg("data") = 0, nb::arg("bytes") = 0, nb::arg("fingerprint") = 0, nb::arg("paths") = 0)
       .def_prop_ro("fingerprint", [](const fd::PreparedMask& p) { return p.fingerprint; })
-      .def_prop_ro("lists", [](const fd::PreparedMask& p) { return p.lists; });
+      .def_prop_ro("paths", [](const fd::PreparedMask& p) {
+        return (p.gather_forward ? 1 : 0) | (p.gather_backward ? 2 : 0);
+      });
 
   nb::class_<fd::ForwardArgs>(m, "ForwardArgs", "The arguments of one forward call (attention.h)")
       .def(
@@ -248,8 +252,8 @@ NB_MODULE(_C, m) {
       "prepare_mask",
       [](const fd::ForwardArgs& args, fd::PreparedMask& prepared) { fd::throw_if_error(fd::prepare_mask(args, &prepared)); },
       nb::arg("args"), nb::arg("prepared"), Release(),
-      "Builds args.mask's preparation into prepared's memory and sets its fingerprint and lists; asynchronous on "
-      "the stream for CUDA tensors");
+      "Builds args.mask's preparation into prepared's memory and sets its fingerprint and paths; asynchronous on "
+      "the stream for CUDA tensors (attention.h prepare_mask)");
 
   m.def(
       "forward",

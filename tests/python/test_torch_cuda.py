@@ -162,7 +162,7 @@ def test_prepared_mask_matches_the_mask(path, monkeypatch):
 
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
-    the key lists hold at most half the causal span (cuda_backend.cpp kGatherShareThreshold), the
+    the key lists hold at most half the causal span (cuda_backend.cpp kGatherForwardShare), the
     tile path for a full mask, and the tile path during CUDA-graph capture, where it cannot wait
     for the lists' sizes. Its calls then give what the forced path gives."""
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
@@ -176,8 +176,11 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
         prepared = flash_dmattn.prepare_mask(q, k, v, sparse, is_causal=True)
     except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
         pytest.skip(str(error))
-    assert prepared.path == "gather"
-    assert flash_dmattn.prepare_mask(q, k, v, full, is_causal=True).path == "tile"
+    assert (prepared.path, prepared.backward_path) == ("gather", "gather")
+    # A full mask lists every key of the span: the tile forward, and at D32 the gather backward,
+    # which measured faster there too (kGatherForwardShare, gather_backward_share).
+    dense = flash_dmattn.prepare_mask(q, k, v, full, is_causal=True)
+    assert (dense.path, dense.backward_path) == ("tile", "gather")
     leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
     dout = torch.randn_like(q)
 
@@ -199,7 +202,7 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = flash_dmattn.prepare_mask(q, k, v, sparse, is_causal=True)
-    assert captured.path == "tile"
+    assert (captured.path, captured.backward_path) == ("tile", "tile")
 
 
 def test_opcheck_on_cuda():

@@ -192,7 +192,9 @@ class OursPrepared(Ours):
 
         def rebuild():
             prepared["mask"] = prepare_mask(problem.q, problem.k, problem.v, problem.mask, is_causal=causal)
-            runner.notes[-1] = f"prepared mask, {prepared['mask'].path} path"
+            mask = prepared["mask"]
+            runner.notes[-1] = f"prepared mask, {mask.path} path" + \
+                ("" if mask.backward_path == mask.path else f" (backward: {mask.backward_path})")
             return prepared["mask"]
 
         def call(q, k, v, bias, mask):

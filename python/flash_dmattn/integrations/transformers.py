@@ -41,7 +41,7 @@ NAME = "dmattn"
 # that preparation. An entry lives as long as the mask it was made from: it refers to the mask
 # weakly (by id, as tensors compare element-wise) and keeps the preparation's memory, not the
 # PreparedMask, whose view of the mask would keep the mask alive.
-_PREPARED = {}  # id(attention_mask) -> (weak reference to it, signature, (storage, fingerprint, lists))
+_PREPARED = {}  # id(attention_mask) -> (weak reference to it, signature, (storage, fingerprint, paths))
 
 
 def _shared_preparation(attention_mask: torch.Tensor, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
