@@ -411,8 +411,8 @@ struct BackwardPlan {
   std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
 
-// Whether a backward takes the gather path (gather_applies): where the forward
-// would, but not in deterministic mode (its dK, dV and dBias reductions arrive in any order), past
+// Whether a backward takes the gather path: where gather_applies holds for its pass, but not in
+// deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
   if (!gather_applies(a.mask, a.prepared_mask, Pass::backward) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;

@@ -472,6 +472,10 @@ def test_ours_prepared_leaves_the_choice_to_the_preparation(monkeypatch):
         out = runner.call(*runner.inputs)
     assert os.environ["FLASH_DMATTN_SPARSE_PATH"] == "tile"
     assert runner.notes[-1] == "prepared mask, tile path"
+    # Its visited work follows the path the preparation chose (the CPU backend builds no lists).
+    from flash_dmattn.bench import flops
+    assert runner.tiles == flops.kernel_tiles(16)
+    assert set(prepared.tile_candidates(16)) == {*flops.kernel_tiles(16).values(), *flops.gather_tiles(16).values()}
     expected = IMPLEMENTATIONS["ours"].runner(problem, grad=False).call(*runner.inputs)
     assert torch.equal(out, expected)
 

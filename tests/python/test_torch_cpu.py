@@ -202,7 +202,7 @@ def test_opcheck_backward():
     q, k, v, mask, bias = _op_args(False)
     out, lse = torch_ops.forward(q, k, v, mask, bias, 0.25, True, 0.0, False)
     torch.library.opcheck(torch_ops.backward, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0,
-                                               False, None, 0, False, True))
+                                               False, None, 0, 0, True))
 
 
 def prepared_mask_case(device="cpu"):

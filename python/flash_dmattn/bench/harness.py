@@ -62,10 +62,10 @@ def _steps(runner: Runner, mode: str, copies: list):
     return (lambda i: copies[i]), (lambda inputs: grads(runner.call(*inputs), inputs))
 
 
-def _visited(impl: Implementation, case: suites.Case, pairs: dict, mode: str):
+def _visited(impl: Implementation, runner: Runner, case: suites.Case, pairs: dict, mode: str):
     """(visited-tile FLOPs, tile density) of impl on the case, for the rule in impls.Implementation.visits."""
     if impl.visits == "tiles":
-        tiles = impl.tiles(case.head_dim)
+        tiles = runner.tiles or impl.tiles(case.head_dim)
         (forward, forward_density), (backward, backward_density) = pairs[tiles["fwd"]], pairs[tiles["bwd"]]
         density = backward_density if mode == "bwd" else forward_density
         return flops.pass_flops(case.head_dim, forward, backward, mode), density
@@ -151,7 +151,7 @@ def run_case(case: suites.Case, impls: List[Implementation], unavailable: dict, 
     wanted = [m for m in case.modes if m in options.modes]
     try:
         problem = make_problem(case, options.dtype, device, options.seed)
-        tiles = [t for impl in impls if impl.visits == "tiles" for t in impl.tiles(case.head_dim).values()]
+        tiles = [t for impl in impls if impl.visits == "tiles" for t in impl.tile_candidates(case.head_dim)]
         seen = visibility(problem, tiles)
     except OOM:
         _free(device)
@@ -218,7 +218,7 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
         measured = timing.measure(clock, prepare, run, copies_count, flush or (mode == "bwd" and copies_count > 1),
                                   options.settings)
         dense = flops.case_dense_flops(case, mode)
-        visited, density = _visited(impl, case, pairs, mode)
+        visited, density = _visited(impl, runner, case, pairs, mode)
         # The per-mask preparation belongs to a step's forward; a backward reuses what it made.
         prep = prep_ms if mode != "bwd" else None
         rows.append({**case_row(case), "impl": impl.name, "mode": mode, "status": "ok", "ms": measured.ms,

@@ -59,6 +59,9 @@ class Runner:
     # Environment variables set while the harness runs this implementation (its forwards and
     # backwards alike) and restored after: settings the library reads on every call.
     environment: Dict[str, str] = field(default_factory=dict)
+    # The tiles its passes visit where only its preparation knows them (the path it chose), as
+    # Implementation.tiles gives them; None: the implementation's.
+    tiles: Optional[Dict[str, tuple]] = None
 
     @contextlib.contextmanager
     def scope(self):
@@ -124,8 +127,13 @@ class Implementation:
     visits = "causal"
 
     def tiles(self, head_dim: int) -> dict:
-        """{"fwd": (block_m, block_n), "bwd": ...} where visits == "tiles"."""
+        """{"fwd": (block_m, block_n), "bwd": ...} where visits == "tiles" (a runner's own
+        Runner.tiles, set by its preparation, takes precedence)."""
         return {}
+
+    def tile_candidates(self, head_dim: int) -> list:
+        """Every tile shape its runs may visit at, for the visibility count made before them."""
+        return list(self.tiles(head_dim).values())
 
     def unavailable(self, device: torch.device) -> Optional[str]:
         """Why this implementation cannot run here at all, or None."""
@@ -178,6 +186,9 @@ class OursPrepared(Ours):
     name = "ours_prepared"
     path = "auto"  # FLASH_DMATTN_SPARSE_PATH around each call
 
+    def tile_candidates(self, head_dim):
+        return list(kernel_tiles(head_dim).values()) + list(gather_tiles(head_dim).values())
+
     def unsupported(self, case, device):
         return "nothing to prepare without a mask" if case.mask == "none" else None
 
@@ -195,6 +206,8 @@ class OursPrepared(Ours):
             mask = prepared["mask"]
             runner.notes[-1] = f"prepared mask, {mask.path} path" + \
                 ("" if mask.backward_path == mask.path else f" (backward: {mask.backward_path})")
+            chosen = {"gather": gather_tiles(problem.case.head_dim), "tile": kernel_tiles(problem.case.head_dim)}
+            runner.tiles = {"fwd": chosen[mask.path]["fwd"], "bwd": chosen[mask.backward_path]["bwd"]}
             return prepared["mask"]
 
         def call(q, k, v, bias, mask):
