@@ -1,6 +1,7 @@
 // The CUDA backends behind the public API: fill the kernels' plain parameter structs from the
 // validated views, build the mask's tile summary in the caller's workspace, launch on the
-// caller's stream. Nothing here allocates or synchronizes.
+// caller's stream. Nothing here allocates; only a mask's preparation synchronizes, to choose its
+// path (sparse_path.h).
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -11,6 +12,7 @@
 #include <algorithm>
 
 #include "../backend.h"
+#include "cuda/sparse_path.h"
 #include "kernels/common/grad_passes.h"
 #include "kernels/common/key_lists.h"
 #include "kernels/common/split_combine.h"
@@ -112,39 +114,6 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
 // Hopper GPU); unset or "auto" picks sm90a wherever it can run.
 enum class KernelFamily { sm80, sm90a };
 constexpr const char* kKernelsVariable = "FLASH_DMATTN_KERNELS";
-// The way through a masked call: "tile" walks the key tiles the tile summary leaves active;
-// "gather" computes only the keys some row of a query tile keeps, from per-tile key lists (sm80
-// kernels; docs/architecture.md), in the forward and, where gather_backward() allows, the
-// backward. "auto" (the default) takes the gather path for calls whose prepared mask chose it
-// (prepare_mask, listed_share) and the tile path otherwise: only a preparation measures the lists.
-constexpr const char* kSparsePathVariable = "FLASH_DMATTN_SPARSE_PATH";
-enum class SparsePath { automatic, tile, gather };
-
-// The path FLASH_DMATTN_SPARSE_PATH asks for; a value it does not know sets *error.
-SparsePath sparse_path(std::string* error = nullptr) {
-  const char* value = std::getenv(kSparsePathVariable);
-  const std::string mode = value && *value ? value : "auto";
-  if (mode == "tile") return SparsePath::tile;
-  if (mode == "gather") return SparsePath::gather;
-  if (mode != "auto" && error) {
-    *error = std::string("flash_dmattn: ") + kSparsePathVariable + " must be auto, tile or gather, got '" + mode + "'";
-  }
-  return SparsePath::automatic;
-}
-
-// The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
-// up to which the key lists' keys (their union, in whole chunks) make the gather path the faster
-// one, per pass. Measured on an H200 with the bench CLI (seed: B1 H2/1 S16384 D32, causal, top-W
-// of a bias row; sm90a tile kernels, prepared masks), fwd / bwd ms: at a share of 0.12 (W 1024)
-// gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 (W 4096) 0.53 / 0.62 against 0.60 /
-// 2.66; at 0.75 (W 8192) 0.73 / 0.92 against 0.53 / 2.14; at 1.0 (W 16384) 1.05 / 1.25 against
-// 0.39 / 2.01. A line through the gathered forwards crosses the tile forward near 0.53; the
-// gathered backward stays faster at every share. At D128 (B2 H16/4 S8192, 2048 scattered keys,
-// a share of about 0.45) the gather path is 2.4x (fwd) and 2.6x (bwd) faster; its crossover
-// there, and anything at D64, is not measured: those backwards keep the forward's threshold.
-constexpr double kGatherForwardShare = 0.5;
-double gather_backward_share(std::int64_t head_dim) { return head_dim <= 32 ? 1.0 : kGatherForwardShare; }
-
 // How a forward runs: the kernel family, GQA packing and split-KV when the grid would not fill
 // the GPU (decode) or the gather path's key lists, and the workspace layout that follows:
 // [tile summary][split partial O][split partial LSE][key lists].
@@ -208,26 +177,6 @@ KernelFamily choose_family(const Problem& p, int arch, Pass pass, std::string* e
   return KernelFamily::sm80;
 }
 
-// The gather path needs keys to choose and rows that choose them: a mask with a key dim and a row
-// per query. (A mask with one row for every query would give every query tile the same list, yet
-// each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.)
-bool gather_possible(const std::optional<TensorView>& mask) {
-  return mask && mask->shape[3] != 1 && mask->shape[2] != 1;
-}
-
-// Whether a pass of a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it
-// where it is possible, tile forbids it, and auto follows the prepared mask's choice.
-bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared, Pass pass) {
-  switch (sparse_path()) {
-    case SparsePath::gather: return gather_possible(mask);
-    case SparsePath::tile: return false;
-    case SparsePath::automatic:
-      return gather_possible(mask) && prepared &&
-             (pass == Pass::forward ? prepared->gather_forward : prepared->gather_backward);
-  }
-  return false;
-}
-
 // The key lists of a call's mask, for a kernel whose tiles are block_m query rows by block_n keys.
 kernels::KeyListExtent list_extent(const TensorView& mask, const Problem& p, int block_m, int block_n) {
   kernels::KeyListExtent e;
@@ -275,34 +224,6 @@ bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& 
 // forbidden (FLASH_DMATTN_SPARSE_PATH=tile).
 bool lists_room(const ForwardArgs& a, const Problem& p) {
   return gather_possible(a.mask) && sparse_path() != SparsePath::tile && !p.empty();
-}
-
-// The share of the key span that lists just built on `stream` hold (kGatherForwardShare), or -1
-// where it cannot be known: waits for the lists and reads their sizes back, the one
-// synchronization of a preparation under FLASH_DMATTN_SPARSE_PATH=auto. A stream being captured
-// into a CUDA graph cannot wait (docs/python.md).
-cudaError_t listed_share(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
-                         double* share) {
-  *share = -1;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t error = cudaStreamIsCapturing(stream, &capture);
-  if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
-  std::vector<int> counts(static_cast<std::size_t>(e.lists()));
-  if (counts.empty()) return cudaSuccess;
-  error = cudaMemcpyAsync(counts.data(), lists.counts, counts.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
-  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) return error;
-  const auto chunks = [&](std::int64_t keys) { return (keys + e.block_n - 1) / e.block_n; };
-  std::int64_t listed = 0, span = 0;
-  for (std::size_t list = 0; list < counts.size(); ++list) {
-    const std::int64_t tile = static_cast<std::int64_t>(list) % e.query_tiles();
-    const std::int64_t rows_end = std::min<std::int64_t>((tile + 1) * e.block_m, e.seqlen_q);
-    const std::int64_t keys = e.causal ? std::clamp<std::int64_t>(rows_end + e.diagonal, 0, e.seqlen_k) : e.seqlen_k;
-    listed += chunks(counts[list]);
-    span += chunks(keys);
-  }
-  if (span > 0) *share = static_cast<double>(listed) / static_cast<double>(span);
-  return cudaSuccess;
 }
 
 // The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`

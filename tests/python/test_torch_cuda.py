@@ -162,7 +162,7 @@ def test_prepared_mask_matches_the_mask(path, monkeypatch):
 
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
-    the key lists hold at most half the causal span (cuda_backend.cpp kGatherForwardShare), the
+    the key lists hold at most half the causal span (src/cuda/sparse_path.h kGatherForwardShare), the
     tile path for a full mask, and the tile path during CUDA-graph capture, where it cannot wait
     for the lists' sizes. Its calls then give what the forced path gives."""
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
