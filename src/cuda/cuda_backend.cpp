@@ -336,7 +336,8 @@ struct BackwardPlan {
 // deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!gather_applies(a.mask, a.prepared_mask, Pass::backward) || p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  if (!gather_applies(a.mask, a.prepared_mask, Pass::backward)) return false;
+  if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
   int available = 0;
   if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
