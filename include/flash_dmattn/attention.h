@@ -122,8 +122,8 @@ Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes);
 // prepared->memory and sets its fingerprint and paths; asynchronous on args.options.stream,
 // except that on CUDA under FLASH_DMATTN_SPARSE_PATH=auto (the default) a mask with a row per
 // query and a key per column has its key lists built and their sizes read back (one wait for
-// the stream) to choose between the gather and the tile path, for each pass; on a stream being captured into a
-// CUDA graph it chooses the tile path without waiting. Writes neither out nor lse.
+// the stream) to choose between the gather and the tile path, for each pass; on a stream being
+// captured into a CUDA graph it chooses the tile path without waiting. Writes neither out nor lse.
 Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared);
 
 // Runs the forward: writes out and lse. Asynchronous on the stream for CUDA tensors.

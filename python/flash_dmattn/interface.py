@@ -250,9 +250,10 @@ class PreparedMask:
     It holds the mask and what the CUDA kernels would otherwise build from it on every call: the
     tile summary and, for a mask with a row per query (unless FLASH_DMATTN_SPARSE_PATH=tile), the
     key lists of the gather path, whichever path the preparation then chose (`path`,
-    `backward_path`; their room is kept either way, about a fifth of the mask's bytes). The mask must not
-    change while the preparation is in use: a change in place through torch (which bumps the
-    tensor's version counter) is refused with ValueError; one that bypasses torch cannot be seen.
+    `backward_path`; their room is kept either way, about a fifth of the mask's bytes). The mask
+    must not change while the preparation is in use: a change in place through torch (which bumps
+    the tensor's version counter) is refused with ValueError; one that bypasses torch cannot be
+    seen.
     A call with other shapes, another causal flag or another device is refused too.
     """
 
