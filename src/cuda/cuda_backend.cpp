@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "../backend.h"
+#include "cuda/device_info.h"
 #include "cuda/sparse_path.h"
 #include "kernels/common/grad_passes.h"
 #include "kernels/common/key_lists.h"
@@ -131,15 +132,6 @@ struct ForwardPlan {
   std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
 
-int multiprocessors(int device) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();  // consume it: without the count the plans simply do not split
-    sms = 0;
-  }
-  return sms;
-}
-
 // Why the sm90a kernels cannot run a pass of a call, or nothing when they can.
 std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pass) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
@@ -223,7 +215,7 @@ bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& 
 // Whether a preparation makes room for key lists: where the gather path is possible and not
 // forbidden (FLASH_DMATTN_SPARSE_PATH=tile).
 bool lists_room(const ForwardArgs& a, const Problem& p) {
-  return gather_possible(a.mask) && sparse_path() != SparsePath::tile && !p.empty();
+  return gather_possible(a.mask, p.seqlen_q) && sparse_path() != SparsePath::tile && !p.empty();
 }
 
 // The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`
@@ -252,27 +244,28 @@ cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& ma
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
-  // The gather path's lists are per query tile of one mask head, so it neither packs GQA heads
-  // nor splits the keys.
-  if (gather_applies(a.mask, a.prepared_mask, Pass::forward)) {
+  if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward)) {
+    // The gather path's lists are per query tile of one mask head, so it does not pack GQA heads;
+    // its splits share out the chunks of each list.
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.mask, p);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
-    return plan;
+  } else {
+    // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
+    // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
+    const std::int64_t group = p.group_size();
+    const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
+    if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
+    plan.family = choose_family(p, arch, Pass::forward);
   }
-  // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
-  // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
-  const std::int64_t group = p.group_size();
-  const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
-  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
-  plan.family = choose_family(p, arch, Pass::forward);
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at one wave.
   // Measured on an H200 (decode B1 H32 Hk8 Sk131072 D128, 8 packed CTAs before splitting): one
   // wave 0.174 ms, two 0.178, three 0.182, four 0.185; more splits cost more partial rows.
   // The sm90a family's widest tiles (its TMA kernel's): its other kernel's key tiles are no wider,
-  // so it never has fewer key tiles than splits.
+  // so it never has fewer key tiles than splits. A list has at most as many chunks as the span
+  // has key tiles; a split whose share is empty writes an LSE of -inf, which the combine skips.
   const auto tile = plan.family == KernelFamily::sm90a
                         ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::tma_producer)
                         : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
@@ -280,7 +273,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
                             (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
   const std::int64_t key_tiles = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
-  const std::int64_t slots = std::int64_t(multiprocessors(p.device.index)) * tile.ctas_per_sm;
+  const std::int64_t slots = std::int64_t(device_info(p.device.index).multiprocessors) * tile.ctas_per_sm;
   if (ctas > 0 && ctas < slots && key_tiles > 1) {
     plan.num_splits = static_cast<int>(
         std::min<std::int64_t>({(slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
@@ -336,15 +329,10 @@ struct BackwardPlan {
 // deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!gather_applies(a.mask, a.prepared_mask, Pass::backward)) return false;
+  if (!gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward)) return false;
   if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
-  int available = 0;
-  if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return needed > 0 && needed <= available;
+  return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
 }
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
@@ -375,7 +363,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   } else if (p.deterministic && ctas_per_split > 0) {
     // At most one wave (a CTA past it would double the time), and no more: every dq slot costs a
     // zeroed B·H·Sq·D fp32 buffer and a read in the reduction.
-    const std::int64_t wave = std::int64_t(multiprocessors(p.device.index)) * ctas_per_sm;
+    const std::int64_t wave = std::int64_t(device_info(p.device.index).multiprocessors) * ctas_per_sm;
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
@@ -527,11 +515,7 @@ class CudaSm80Backend final : public BackendImpl {
     }
     if (pass == Pass::backward) {
       const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
-      int available = 0;
-      if (cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device.index) != cudaSuccess) {
-        cudaGetLastError();
-        return "cannot query the shared memory of CUDA device " + std::to_string(p.device.index);
-      }
+      const int available = device_info(p.device.index).smem_per_block_optin;
       if (needed > available) {
         return "the backward at head dim " + std::to_string(p.head_dim) + " needs " + std::to_string(needed) +
                " bytes of shared memory per block, the device allows " + std::to_string(available);
@@ -597,7 +581,7 @@ class CudaSm80Backend final : public BackendImpl {
       double share = -1;
       e = listed_share(extent, lists, stream, &share);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
-      prepared->gather_forward = share >= 0 && share <= kGatherForwardShare;
+      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q);
       prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
     }
     return Status::success();
@@ -660,12 +644,11 @@ class CudaSm80Backend final : public BackendImpl {
                                       workspace + plan.lists_offset(), stream, &params.fwd.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
-    for (auto [bytes, where] : {std::make_pair(plan.dq_accum_bytes, static_cast<void*>(params.dq_accum)),
-                                std::make_pair(plan.dbias_accum_bytes, static_cast<void*>(params.dbias.accum)),
-                                std::make_pair(plan.dkv_accum_bytes, static_cast<void*>(params.dk_accum)),
-                                std::make_pair(plan.dkv_accum_bytes, static_cast<void*>(params.dv_accum))}) {
-      if (bytes == 0) continue;
-      const cudaError_t e = cudaMemsetAsync(where, 0, bytes, stream);
+    // The accumulators (dQ, dBias, dK, dV) lie back to back: one memset zeroes them all (each
+    // memset costs the host 6-15 us, about a launch).
+    const std::size_t accumulators = align_up(plan.summary_bytes) + align_up(plan.dsum_bytes);
+    if (plan.lists_offset() > accumulators) {
+      const cudaError_t e = cudaMemsetAsync(workspace + accumulators, 0, plan.lists_offset() - accumulators, stream);
       if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);
     }
     cudaError_t e = kernels::compute_dsum(params, stream);
@@ -690,15 +673,7 @@ class CudaSm80Backend final : public BackendImpl {
   }
 
  private:
-  static int arch_of(int device) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      cudaGetLastError();  // consume the error so that the caller's next cudaGetLastError does not see it
-      return -1;
-    }
-    return major * 10 + minor;
-  }
+  static int arch_of(int device) { return device_info(device).arch; }
 };
 
 }  // namespace

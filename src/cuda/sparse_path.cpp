@@ -17,16 +17,17 @@ SparsePath sparse_path(std::string* error) {
   return SparsePath::automatic;
 }
 
-bool gather_possible(const std::optional<TensorView>& mask) {
-  return mask && mask->shape[3] != 1 && mask->shape[2] != 1;
+bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_q) {
+  return mask && mask->shape[3] != 1 && (mask->shape[2] != 1 || seqlen_q == 1);
 }
 
-bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared, BackendImpl::Pass pass) {
+bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,
+                    BackendImpl::Pass pass) {
   switch (sparse_path()) {
-    case SparsePath::gather: return gather_possible(mask);
+    case SparsePath::gather: return gather_possible(mask, seqlen_q);
     case SparsePath::tile: return false;
     case SparsePath::automatic:
-      return gather_possible(mask) && prepared &&
+      return gather_possible(mask, seqlen_q) && prepared &&
              (pass == BackendImpl::Pass::forward ? prepared->gather_forward : prepared->gather_backward);
   }
   return false;

@@ -26,12 +26,14 @@ SparsePath sparse_path(std::string* error = nullptr);
 
 // The gather path needs keys to choose and rows that choose them: a mask with a key dim and a row
 // per query. (A mask with one row for every query would give every query tile the same list, yet
-// each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.)
-bool gather_possible(const std::optional<TensorView>& mask);
+// each tile gets Sk keys of room: 8 GB for 8 x 131072 keys.) With one query (decode) its one row
+// is that row.
+bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_q);
 
 // Whether a pass of a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it
 // where it is possible, tile forbids it, and auto follows the prepared mask's choice.
-bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* prepared, BackendImpl::Pass pass);
+bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,
+                    BackendImpl::Pass pass);
 
 // The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
 // up to which the key lists' keys (their union, in whole chunks) make the gather path the faster
@@ -45,6 +47,15 @@ bool gather_applies(const std::optional<TensorView>& mask, const PreparedMask* p
 // there, and anything at D64, is not measured: those backwards keep the forward's threshold.
 inline constexpr double kGatherForwardShare = 0.5;
 inline double gather_backward_share(std::int64_t head_dim) { return head_dim <= 32 ? 1.0 : kGatherForwardShare; }
+// A decode (one query row) pays less for its gathers: its kept keys are split across CTAs, each
+// walking a few chunks one after the other, while the tile path streams the keys at memory speed.
+// Measured on an H200 (bench CLI decode suite, B1 H32/8 D128, top-4096; prepared gather against
+// unprepared tile, ms): share 0.5 (Sk 8192) 0.120 against 0.094; 0.125 (Sk 32768) 0.116 against
+// 0.133; 0.031 (Sk 131072) 0.123 against 0.259. The threshold lies between the first two.
+inline constexpr double kGatherDecodeShare = 0.25;
+inline double gather_forward_share(std::int64_t seqlen_q) {
+  return seqlen_q == 1 ? kGatherDecodeShare : kGatherForwardShare;
+}
 
 // The share of the key span that lists just built on `stream` hold, or -1 where it cannot be
 // known: waits for the lists and reads their sizes back, the one synchronization of a

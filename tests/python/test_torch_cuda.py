@@ -141,6 +141,23 @@ def test_decode_with_a_workspace():
     check_against_reference(case, None)
 
 
+def test_decode_on_the_gather_path(monkeypatch):
+    """A decode's one-row mask can take the gather path, whose splits share out the kept keys:
+    forced, it matches the reference (a KV head that keeps no key included), backward too; a
+    preparation chooses it for few keys and gives the same output bitwise."""
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
+    case = make_case(1, 1, 8195, 32, 8, 128, device="cuda", mask_shape=(1, 8, 1, 8195), bias_shape=(1, 8, 1, 8195),
+                     keep=0.03)
+    case["mask"][:, 3] = False
+    check_against_reference(case, torch.randn(case["q"].shape, device="cuda").bfloat16())
+    gathered = flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], attn_bias=case["bias"])
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "auto")
+    prepared = flash_dmattn.prepare_mask(case["q"], case["k"], case["v"], case["mask"])
+    assert prepared.path == "gather"
+    assert torch.equal(flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=prepared, attn_bias=case["bias"]),
+                       gathered)
+
+
 def test_mixed_devices_fail_before_launch():
     case = make_case(1, 8, 8, 2, 2, 64, device="cuda")
     with pytest.raises(ValueError, match="argument 'attn_mask': expected the device of query"):

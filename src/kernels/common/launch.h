@@ -3,16 +3,37 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include <cuda_runtime.h>
 
 namespace flash_dmattn::kernels {
 
-// Lets `kernel` take kSmem bytes of dynamic shared memory: above 48 KB only after raising its limit.
+// Whether `kernel`'s dynamic shared memory limit was raised on `device` already; marks it raised
+// when `raise` holds. The limit stays raised, and raising it again costs the host a few
+// microseconds per launch (torch's profiler on an H200 host).
+inline bool smem_limit_raised(const void* kernel, int device, bool raise) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> raised;
+  const std::lock_guard<std::mutex> lock(mutex);
+  return raise ? (raised.emplace(kernel, device), true) : raised.count({kernel, device}) > 0;
+}
+
+// Lets `kernel` take kSmem bytes of dynamic shared memory: above 48 KB only after raising its
+// limit, once per kernel and device.
 template <int kSmem, typename Kernel>
 cudaError_t allow_dynamic_smem(Kernel* kernel) {
   if constexpr (kSmem >= 48 * 1024) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    int device = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status != cudaSuccess) return status;
+    const void* key = reinterpret_cast<const void*>(kernel);
+    if (smem_limit_raised(key, device, false)) return cudaSuccess;
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (status == cudaSuccess) smem_limit_raised(key, device, true);
+    return status;
   }
   return cudaSuccess;
 }

@@ -3,7 +3,7 @@
 //   S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - max)  ->  O += P·V
 // with K of the next active tile and V of the current one loaded by cp.async behind the math.
 // The gather path runs the same loop over chunks of the CTA's key list (gathered_keys.h) instead
-// of key tiles.
+// of key tiles, a split over its share of the chunks.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -109,6 +109,14 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
 
   constexpr bool kLists = kSource == KeySource::lists;
   const auto list = key_list<kSource, kBlockM, kBlockN>(p, b, rows.head(row0), m_block, smem + Traits::kSmemBytes);
+  // On the gather path a split takes an equal share of the list's chunks [chunk_begin,
+  // chunk_end): splitting the kept keys, not the key span, is what spreads a decode over the GPU.
+  int chunk_begin = 0, chunk_end = 0;
+  if constexpr (kLists) {
+    const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
+    chunk_begin = min(list.chunks(), split * per_split);
+    chunk_end = min(list.chunks(), chunk_begin + per_split);
+  }
   const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
   const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
   // n_block: a key tile, or on the gather path a chunk of the list (ascending from 0).
@@ -128,7 +136,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   };
   auto next_after = [&](int n_block) {
     if constexpr (kLists) {
-      return n_block + 1 < list.chunks() ? n_block + 1 : -1;
+      return n_block + 1 < chunk_end ? n_block + 1 : -1;
     } else {
       return tiles.at_or_below(n_block - 1);
     }
@@ -140,9 +148,9 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   });
   int n_block;
   if constexpr (kLists) {
-    n_block = list.chunks() > 0 ? 0 : -1;
+    n_block = chunk_begin < chunk_end ? chunk_begin : -1;
     // The first chunk's keys must have landed before its K rows can be gathered.
-    if (n_block >= 0) list.stage(0, tid, Traits::kNThreads);
+    if (n_block >= 0) list.stage(n_block, tid, Traits::kNThreads);
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
@@ -166,7 +174,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     // The next chunk's keys and row bits land with this chunk's V (its buffer's last readers, the
     // previous chunk's gathers and masking, are behind the barrier above).
     if constexpr (kLists) {
-      if (n_block + 1 < list.chunks()) list.stage(n_block + 1, tid, Traits::kNThreads);
+      if (n_block + 1 < chunk_end) list.stage(n_block + 1, tid, Traits::kNThreads);
     }
     cp_async_fence();
 
