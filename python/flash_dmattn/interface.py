@@ -40,11 +40,11 @@ def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_
     """Each dim of a mask or bias is 1 or full; heads are 1, Hk or H (docs/semantics.md §2). Key
     lists check their first three dims so (dims=3): the last one is the list."""
     allowed = ((1, batch), (1, kv_heads, heads), (1, seqlen_q), (1, seqlen_k))
-    names = ("batch", "heads", "query", "key")
-    for d, (size, ok) in enumerate(zip(t.shape[:dims], allowed)):
-        if size not in ok:
-            _fail(ValueError, argument, f"expected {names[d]} size (dim {d}) in {sorted(set(ok))}, got {size} in "
-                                        f"shape {_shape(t)} (layout {layout})")
+    for d, size in enumerate(t.shape[:dims]):
+        if size not in allowed[d]:
+            names = ("batch", "heads", "query", "key")
+            _fail(ValueError, argument, f"expected {names[d]} size (dim {d}) in {sorted(set(allowed[d]))}, got {size} "
+                                        f"in shape {_shape(t)} (layout {layout})")
 
 
 def _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias=None) -> None:
@@ -74,10 +74,10 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
     if attn_indices is not None:
         _check_device("attn_indices", attn_indices, query)
     batch, seqlen_q, heads, head_dim = query.shape
-    seqlen_k, kv_heads = key.shape[1], key.shape[2]
+    key_batch, seqlen_k, kv_heads, key_head_dim = key.shape
     if not 0 < head_dim <= _MAX_HEAD_DIM:
         _fail(ValueError, "query", f"expected a head dim (dim 3) in [1, {_MAX_HEAD_DIM}], got {head_dim}")
-    if key.shape[0] != batch or key.shape[3] != head_dim:
+    if key_batch != batch or key_head_dim != head_dim:
         _fail(ValueError, "key", f"expected shape (B={batch}, Sk, Hk, D={head_dim}), got {_shape(key)}")
     if heads == 0 or kv_heads == 0 or heads % kv_heads != 0:
         _fail(ValueError, "key", f"expected a head count Hk (dim 2) >= 1 that divides the H={heads} of query, "
@@ -227,7 +227,7 @@ def _compact_broadcast(t: torch.Tensor) -> torch.Tensor:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.size(-1) == 1 or t.stride(-1) == 1 else t.contiguous()
+    return t if t.stride(-1) == 1 or t.size(-1) == 1 else t.contiguous()
 
 
 def _kernel_operands(attn_mask, attn_bias):
