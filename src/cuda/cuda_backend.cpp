@@ -241,10 +241,17 @@ cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& ma
   return kernels::build_key_lists(extent, summary, workspace, stream, lists);
 }
 
+// Whether the gather forward's shared memory (a second K/V buffer beside the tiles') fits the
+// device: not at the largest head dims on GPUs with less than Hopper's and A100's.
+bool gather_forward_fits(const Problem& p) {
+  const int needed = kernels::sm80::gather_forward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
+  return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
+}
+
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
-  if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward)) {
+  if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The gather path's lists are per query tile of one mask head, so it does not pack GQA heads;
     // its splits share out the chunks of each list.
     plan.gather = true;
@@ -581,7 +588,7 @@ class CudaSm80Backend final : public BackendImpl {
       double share = -1;
       e = listed_share(extent, lists, stream, &share);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
-      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q);
+      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q) && gather_forward_fits(p);
       prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
     }
     return Status::success();

@@ -7,6 +7,13 @@
 
 namespace flash_dmattn::kernels {
 
+// The same shared-memory tensor (or a partition of it) one stage further on: stage_elems must be a
+// whole number of the layout's swizzle periods, as a whole tile is.
+template <typename Tensor>
+__device__ __forceinline__ auto at_stage(const Tensor& t, int stage, int stage_elems) {
+  return cute::make_tensor(t.data() + stage * stage_elems, t.layout());
+}
+
 // Tiled copies of (rows, head dim) tiles between global memory and shared or registers:
 // 16-byte vectors, kThreadsPerRow threads across kRowElems elements of a row.
 template <typename Element, int kThreads, int kRowElems>

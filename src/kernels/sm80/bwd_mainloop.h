@@ -17,17 +17,12 @@
 #include "kernels/common/gradient_stores.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
+#include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/gemm.h"
 
 namespace flash_dmattn::kernels::sm80 {
-
-// The same tensor one shared-memory stage further on.
-template <typename Tensor>
-__device__ __forceinline__ auto at_stage(const Tensor& t, int stage, int stage_elems) {
-  return cute::make_tensor(t.data() + stage * stage_elems, t.layout());
-}
 
 template <typename Traits>
 __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block, int kv_h, int b,

@@ -7,6 +7,8 @@
 #include "kernels/sm80/bwd_gather_mainloop.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/entry_points.h"
+#include "kernels/sm80/fwd_mainloop.h"
+#include "kernels/sm80/fwd_traits.h"
 
 namespace flash_dmattn::kernels::sm80 {
 
@@ -36,6 +38,15 @@ int backward_smem_bytes(ElementType element, int head_dim) {
   const int bucket = head_dim_bucket(head_dim);
 #define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
   if (element == ElementType::dtype && bucket == hdim) return BackwardTraits<cutlass_type, hdim>::kSmemBytes;
+  FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
+#undef FDMA_SM80_SMEM
+  return 0;
+}
+
+int gather_forward_smem_bytes(ElementType element, int head_dim) {
+  const int bucket = head_dim_bucket(head_dim);
+#define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
+  if (element == ElementType::dtype && bucket == hdim) return gather_smem_bytes<ForwardTraits<cutlass_type, hdim>>();
   FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
 #undef FDMA_SM80_SMEM
   return 0;

@@ -18,7 +18,9 @@ int compiled_head_dim_bucket(ElementType element, int head_dim);
 // limit of GPUs such as sm_86 and sm_89 for the larger head dims.
 int backward_smem_bytes(ElementType element, int head_dim);
 
-// The same for the backward's gather path (0 when not compiled or past its head dims).
+// The same for the forward's and the backward's gather paths (0 when not compiled, or past the
+// backward's head dims). The gather forward keeps a second K/V buffer: 196 KB at head dim 256.
+int gather_forward_smem_bytes(ElementType element, int head_dim);
 int gather_backward_smem_bytes(ElementType element, int head_dim);
 
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);

@@ -25,9 +25,8 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   // Lists built for another tile would have their row bits read at the wrong places (and past
   // their end): the plan and this instantiation must agree.
   if (params.lists.block_m != Traits::kBlockM || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
-  constexpr int kSmem = Traits::kSmemBytes + GatheredKeys<Traits::kBlockM, Traits::kBlockN>::kSmemBytes;
-  return launch_query_tiles<kSmem>(&forward_kernel<Traits, KeySource::lists>, params, params, Traits::kBlockM,
-                                   Traits::kNThreads, stream);
+  return launch_query_tiles<gather_smem_bytes<Traits>()>(&forward_kernel<Traits, KeySource::lists>, params, params,
+                                                         Traits::kBlockM, Traits::kNThreads, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

@@ -2,8 +2,9 @@
 // keep an online softmax, write O and the LSE. The loop body is the algorithm:
 //   S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - max)  ->  O += P·V
 // with K of the next active tile and V of the current one loaded by cp.async behind the math.
-// The gather path runs the same loop over chunks of the CTA's key list (gathered_keys.h) instead
-// of key tiles, a split over its share of the chunks.
+// The gather path runs the same steps over chunks of the CTA's key list (gathered_keys.h) instead
+// of key tiles, a split over its share of the chunks, with the next chunk's K and V rows gathered
+// into a second buffer behind the math.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,6 +14,7 @@
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
+#include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
 #include "kernels/sm80/fwd_traits.h"
 #include "kernels/sm80/gemm.h"
@@ -23,16 +25,20 @@ namespace flash_dmattn::kernels::sm80 {
 // key list of the gather path (ForwardParams::lists).
 enum class KeySource { tiles, lists };
 
-struct NoKeyList {};
+// The gather path's shared memory past the tiles' [Q][K][V]: a second K/V buffer [K'][V'], then
+// the list's staged keys and row bits, kGatherStages chunks of them (two ahead of the chunk that
+// computes, one for the gathers in flight).
+inline constexpr int kGatherStages = 3;
 
-// smem: the list's staging buffers (GatheredKeys::kSmemBytes, past the tiles' shared memory).
-template <KeySource kSource, int kBlockM, int kBlockN>
-__device__ __forceinline__ auto key_list(const ForwardParams& p, int b, int query_head, int m_block, char* smem) {
-  if constexpr (kSource == KeySource::lists) {
-    return GatheredKeys<kBlockM, kBlockN>(p.lists, b, query_head, m_block, smem);
-  } else {
-    return NoKeyList{};
-  }
+template <typename Traits>
+constexpr int gather_staging_offset() {
+  return Traits::kSmemBytes + 2 * static_cast<int>(cute::cosize(typename Traits::SmemLayoutKV{}) *
+                                                   sizeof(typename Traits::Element));
+}
+
+template <typename Traits>
+constexpr int gather_smem_bytes() {
+  return gather_staging_offset<Traits>() + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kGatherStages>::kSmemBytes;
 }
 
 template <typename Traits, KeySource kSource>
@@ -107,100 +113,106 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   OnlineSoftmax<kRows> softmax;
   softmax.init();
 
-  constexpr bool kLists = kSource == KeySource::lists;
-  const auto list = key_list<kSource, kBlockM, kBlockN>(p, b, rows.head(row0), m_block, smem + Traits::kSmemBytes);
-  // On the gather path a split takes an equal share of the list's chunks [chunk_begin,
-  // chunk_end): splitting the kept keys, not the key span, is what spreads a decode over the GPU.
-  int chunk_begin = 0, chunk_end = 0;
-  if constexpr (kLists) {
-    const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
-    chunk_begin = min(list.chunks(), split * per_split);
-    chunk_end = min(list.chunks(), chunk_begin + per_split);
-  }
-  const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
-  const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
-  // n_block: a key tile, or on the gather path a chunk of the list (ascending from 0).
-  auto load_k = [&](int n_block) {
-    if constexpr (kLists) {
-      list.load(tKsK, tKVcKV, n_block, k_rows, p.k_row_stride, p.head_dim);
-    } else {
-      copy_rows_async(tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
-    }
-  };
-  auto load_v = [&](int n_block) {
-    if constexpr (kLists) {
-      list.load(tVsV, tKVcKV, n_block, v_rows, p.v_row_stride, p.head_dim);
-    } else {
-      copy_rows_async(tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
-    }
-  };
-  auto next_after = [&](int n_block) {
-    if constexpr (kLists) {
-      return n_block + 1 < chunk_end ? n_block + 1 : -1;
-    } else {
-      return tiles.at_or_below(n_block - 1);
-    }
-  };
-
   copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
     const int packed = row0 + row;
     return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
-  int n_block;
-  if constexpr (kLists) {
-    n_block = chunk_begin < chunk_end ? chunk_begin : -1;
-    // The first chunk's keys must have landed before its K rows can be gathered.
-    if (n_block >= 0) list.stage(n_block, tid, Traits::kNThreads);
-    cp_async_fence();
-    cp_async_wait<0>();
-    __syncthreads();
-  } else {
-    n_block = tiles.first();
-  }
-  if (n_block >= 0) load_k(n_block);
-  cp_async_fence();
   // Warp w owns rows 16w..16w+15. A warp whose rows are all past the tile's end (a packed decode
   // tile holds a handful of rows) skips the MMAs and the softmax but keeps loading and meeting
   // the barriers: the MMAs of the padding rows were half of the decode time.
   static_assert(kBlockM == 16 * Traits::kNWarps, "one 16-row slab per warp");
   const bool warp_has_rows = threadIdx.x / 32 * 16 < tile_rows;
 
-  while (n_block >= 0) {
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  // The two halves of a step, on the K and V tiles in shared memory that tSsK_ and tOsVt_ read.
+  // S = Q·Kᵀ, turned into logits by mask_logits(acc_s):
+  auto scores = [&](auto& acc_s, const auto& tSsK_, auto&& mask_logits) CUTLASS_LAMBDA_FUNC_INLINE {
     clear(acc_s);
-    cp_async_wait<0>();
-    __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
-    load_v(n_block);
-    // The next chunk's keys and row bits land with this chunk's V (its buffer's last readers, the
-    // previous chunk's gathers and masking, are behind the barrier above).
-    if constexpr (kLists) {
-      if (n_block + 1 < chunk_end) list.stage(n_block + 1, tid, Traits::kNThreads);
-    }
-    cp_async_fence();
+    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK_, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    mask_logits(acc_s);
+  };
+  // The online softmax over them, and O += P·V:
+  auto accumulate = [&](auto& acc_s, const auto& tOsVt_) CUTLASS_LAMBDA_FUNC_INLINE {
+    Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+    softmax.update(acc_s_rows, acc_o_rows);
+    Tensor probabilities = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
+    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt_, tiled_mma, smem_copy_v, smem_thr_v);
+  };
 
-    if (warp_has_rows) {
-      gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
-      if constexpr (kLists) {
-        policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { list.apply(kind, policy, acc_s, tScS, n_block); });
-      } else {
-        policy.apply(acc_s, tScS, n_block, tiles.needs_elementwise(n_block));
+  if constexpr (kSource == KeySource::lists) {
+    // Chunks of the CTA's key list. A split takes an equal share of them, [begin, end): splitting
+    // the kept keys, not the key span, is what spreads a decode over the GPU. Gathered rows come
+    // from anywhere in K and V, so each chunk would wait a full memory latency for its K rows and
+    // another for its V rows: instead chunk c + 1's K and V rows are gathered into the second
+    // K/V buffer while chunk c computes (its keys were staged a chunk earlier still), and each
+    // chunk waits once, behind the previous one's math.
+    GatheredKeys<kBlockM, kBlockN, kGatherStages> list(p.lists, b, rows.head(row0), m_block,
+                                                       smem + gather_staging_offset<Traits>());
+    const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
+    const int begin = min(list.chunks(), split * per_split), end = min(list.chunks(), begin + per_split);
+    const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
+    const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
+    // Chunk c's K and V tiles: the second buffer lies 2 * size(sK) elements past the first.
+    constexpr int kBuffer = 2 * decltype(size(sK))::value;
+    auto gather_kv = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {
+      auto k_dst = at_stage(tKsK, c % 2, kBuffer);
+      auto v_dst = at_stage(tVsV, c % 2, kBuffer);
+      list.load(k_dst, tKVcKV, c, k_rows, p.k_row_stride, p.head_dim);
+      list.load(v_dst, tKVcKV, c, v_rows, p.v_row_stride, p.head_dim);
+    };
+    if (begin < end) {
+      list.stage(begin, tid, Traits::kNThreads);  // a chunk's keys land before its rows are gathered
+      cp_async_fence();
+      cp_async_wait<0>();
+      __syncthreads();
+      gather_kv(begin);
+      if (begin + 1 < end) list.stage(begin + 1, tid, Traits::kNThreads);
+      cp_async_fence();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    for (int c = begin; c < end; ++c) {
+      // Buffer (c + 1) % 2 and staging slot (c + 2) % 3 were last read by chunk c - 1, before the
+      // barrier that ended it; chunk c + 1's keys landed at that barrier.
+      if (c + 1 < end) gather_kv(c + 1);
+      if (c + 2 < end) list.stage(c + 2, tid, Traits::kNThreads);
+      cp_async_fence();
+      if (warp_has_rows) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        scores(acc_s, at_stage(tSsK, c % 2, kBuffer), [&](auto& s) CUTLASS_LAMBDA_FUNC_INLINE {
+          policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { list.apply(kind, policy, s, tScS, c); });
+        });
+        accumulate(acc_s, at_stage(tOsVt, c % 2, kBuffer));
       }
+      cp_async_wait<0>();
+      __syncthreads();  // chunk c + 1's rows and chunk c + 2's keys have landed; chunk c is read
     }
-
-    const int next = next_after(n_block);
-    cp_async_wait<0>();
-    __syncthreads();  // V of this tile has landed, and every warp is done reading K
-    if (next >= 0) load_k(next);
+  } else {
+    // Key tiles, last first. K of the next active tile loads while this one's softmax and P·V
+    // run, V of this tile while its S is computed.
+    auto load_k = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
+      copy_rows_async(tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    };
+    int n_block = tiles.first();
+    if (n_block >= 0) load_k(n_block);
     cp_async_fence();
-
-    if (warp_has_rows) {
-      Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-      softmax.update(acc_s_rows, acc_o_rows);
-      Tensor probabilities = convert_fragment<Element>(acc_s);
-      Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
-      gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    while (n_block >= 0) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      cp_async_wait<0>();
+      __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
+      copy_rows_async(tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+      cp_async_fence();
+      if (warp_has_rows) {
+        scores(acc_s, tSsK, [&](auto& s) CUTLASS_LAMBDA_FUNC_INLINE { policy.apply(s, tScS, n_block, tiles.needs_elementwise(n_block)); });
+      }
+      const int next = tiles.at_or_below(n_block - 1);
+      cp_async_wait<0>();
+      __syncthreads();  // V of this tile has landed, and every warp is done reading K
+      if (next >= 0) load_k(next);
+      cp_async_fence();
+      if (warp_has_rows) accumulate(acc_s, tOsVt);
+      n_block = next;
     }
-    n_block = next;
   }
 
   // Epilogue. Q's shared memory becomes O's once every copy into it has landed and every warp is
