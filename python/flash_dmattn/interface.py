@@ -188,6 +188,39 @@ def _indexed_bias(attn_indices_bias: torch.Tensor, columns: torch.Tensor, seqlen
     return dense.scatter_add(-1, idx, attn_indices_bias.expand(shape))[..., :seqlen_k]
 
 
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _plainly_valid(query, key, value, attn_mask, attn_bias) -> bool:
+    """Whether a call without key lists passes every check of _check_types and _check_operands,
+    decided in one pass over the arguments (a decode's host time is counted in microseconds, and
+    the checks' function calls took about 8 of them). Only a True is trusted: a False, or a call
+    under autocast, runs the checks themselves, which raise with the argument named."""
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)):
+        return False
+    dtype, device = query.dtype, query.device
+    shape, key_shape = query.shape, key.shape
+    if (dtype not in _HALF_DTYPES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4 or
+            len(key_shape) != 4 or value.shape != key_shape or key.device != device or value.device != device):
+        return False
+    batch, seqlen_q, heads, head_dim = shape
+    key_batch, seqlen_k, kv_heads, key_head_dim = key_shape
+    if (key_batch != batch or key_head_dim != head_dim or not 0 < head_dim <= _MAX_HEAD_DIM or kv_heads == 0 or
+            heads % kv_heads != 0):
+        return False
+    for t in (attn_mask, attn_bias):
+        if t is not None:
+            if not isinstance(t, tensor) or t.device != device:
+                return False
+            sizes = t.shape
+            if (len(sizes) != 4 or sizes[0] not in (1, batch) or sizes[1] not in (1, kv_heads, heads) or
+                    sizes[2] not in (1, seqlen_q) or sizes[3] not in (1, seqlen_k)):
+                return False
+    return ((attn_mask is None or attn_mask.dtype == torch.bool) and
+            (attn_bias is None or attn_bias.dtype == dtype or attn_bias.dtype == torch.float32))
+
+
 def _check_options(softmax_scale, softcap) -> None:
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         _fail(ValueError, "softmax_scale", f"expected a finite value > 0, got {softmax_scale}")
@@ -353,9 +386,11 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     prepared = None
     if isinstance(attn_mask, PreparedMask):
         attn_mask, prepared = attn_mask._for_call(bool(is_causal), attn_indices)
-    _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias)
-    query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
-    _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
+    if (attn_indices is not None or attn_indices_bias is not None or
+            not _plainly_valid(query, key, value, attn_mask, attn_bias) or torch.is_autocast_enabled(query.device.type)):
+        _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias)
+        query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
+        _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
         _check_indices(attn_indices, query, key)
     if attn_indices_bias is not None:

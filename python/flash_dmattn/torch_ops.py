@@ -25,37 +25,26 @@ from . import _C
 
 _HEAD_DIM_MULTIPLE = 8
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.bool: "bool"}
+# The module reads the tensors themselves (_C.forward_args, _C.backward_args): it is told once
+# which torch dtypes are which.
+_C.register_dtypes({torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                    torch.bool: "bool"})
+
+# torch's own accessor of the current stream's handle (what torch.compile's generated code calls),
+# about 1 us cheaper than torch.cuda.current_stream(index).cuda_stream, which builds a Stream.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _view(t: torch.Tensor, device: Tuple[str, int]):
-    """device: (type, index) of the call's tensors, read once per call (each t.device builds an object).
-
-    The shape goes as a plain tuple: the binding converts a torch.Size (a tuple subclass) on a slow
-    path, about 0.5 us more per view (a forward and its backward build 19).
-    """
-    return _C.View(t.data_ptr(), _DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride(), *device)
-
-
-def _optional_view(t: Optional[torch.Tensor], device: Tuple[str, int]):
-    return None if t is None else _view(t, device)
-
-
-def _device(t: torch.Tensor) -> Tuple[str, int]:
-    device = t.device
-    return device.type, device.index or 0
-
-
-def _stream(device: Tuple[str, int]) -> int:
-    """device: as _view's."""
-    kind, index = device
-    if kind != "cuda":
+def _stream(t: torch.Tensor) -> int:
+    """The current stream of t's device (0 for CPU tensors)."""
+    if not t.is_cuda:
         return 0
     if not _C.cuda_compiled:
         raise RuntimeError(
             "flash_dmattn: this installation was built without the CUDA backends (no nvcc was found when it was "
             "installed, or FLASH_DMATTN_CUDA=OFF), so it runs CPU tensors only; reinstall with nvcc on PATH")
-    return torch.cuda.current_stream(index).cuda_stream
+    index = t.get_device()
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -67,10 +56,8 @@ def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     """
     if not t.is_cuda:  # (cheaper than t.device.type, which builds a device and a string)
         return t
-    shape, strides = t.shape, t.stride()  # (read once: each t.size(d), t.stride(d) is a call into torch)
-    aligned = (t.data_ptr() % 16 == 0 and (shape[-1] == 1 or strides[-1] == 1)
-               and all(size == 1 or stride % 8 == 0 for size, stride in zip(shape[:-1], strides[:-1])))
-    return t if aligned else t.clone(memory_format=torch.contiguous_format)
+    # (Read in the module: the same test in Python took about 3 us per tensor.)
+    return t if _C.rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _run(call, size_of, args, device: torch.device) -> None:
@@ -115,11 +102,7 @@ def _prepared(storage: Optional[torch.Tensor], fingerprint: int, paths: int):
 
 def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared=None):
     """The module's ForwardArgs of padded, aligned q, k, v (and out, lse)."""
-    device = _device(q)
-    return _C.ForwardArgs(_view(q, device), _view(k, device), _view(v, device), _view(out, device),
-                          _view(lse, device), mask=_optional_view(mask, device), bias=_optional_view(bias, device),
-                          softmax_scale=scale, causal=causal, softcap=softcap, stream=_stream(device),
-                          prepared_mask=prepared)
+    return _C.forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, _stream(q), prepared)
 
 
 def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
@@ -188,12 +171,9 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     q, k, v, out = (_rows_aligned(_padded(t)) for t in (q, k, v, out))
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dbias = _empty_like(bias) if bias_grad else q.new_empty(0)
-    device = _device(q)
-    args = _C.BackwardArgs(*(_view(t, device) for t in (q, k, v, out, lse, dout, dq, dk, dv)),
-                           mask=_optional_view(mask, device), bias=_optional_view(bias, device),
-                           dbias=_view(dbias, device) if bias_grad else None, softmax_scale=scale, causal=causal,
-                           softcap=softcap, deterministic=deterministic, stream=_stream(device),
-                           prepared_mask=_prepared(prepared, prepared_fingerprint, prepared_paths))
+    args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, bias, dbias if bias_grad else None, scale,
+                            causal, softcap, deterministic, _stream(q),
+                            _prepared(prepared, prepared_fingerprint, prepared_paths))
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
 
@@ -266,8 +246,11 @@ class _EagerAttention(torch.autograd.Function):
 def _plain_eager(tensors) -> bool:
     """Whether a call may skip the custom op: outside torch.compile, with plain tensors (no fake or
     other subclasses), and no dispatch mode or torch.func transform active, which the op serves."""
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors if t is not None):
+    if torch.compiler.is_compiling():
         return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
     try:
         return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
     except AttributeError:  # a torch without these hooks: the op serves every case

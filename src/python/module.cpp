@@ -12,7 +12,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flash_dmattn/flash_dmattn.h"
@@ -99,6 +101,121 @@ nb::dict capability_dict(const fd::Capability& c) {
   d["arch"] = c.arch;
   d["description"] = c.description;
   return d;
+}
+
+// Tensors read from the torch front's tensors themselves. Building a View per tensor in Python
+// (pointer, dtype name, shape, strides, device) took about 9 us of a decode call's host time for
+// the seven of a forward; reading the same attributes here takes a fraction of that. The module
+// still imports nothing of torch: it reads attributes every torch.Tensor has (dtype, shape,
+// stride(), data_ptr(), is_cuda, get_device(), is_cpu), and the package tells it which dtype
+// objects are which (register_dtypes).
+struct TensorAttributes {
+  // Interned once; the references are kept for the life of the process.
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* get_device = PyUnicode_InternFromString("get_device");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+};
+
+const TensorAttributes& tensor_attributes() {
+  static const TensorAttributes names;  // (first made under the GIL, by the first read)
+  return names;
+}
+
+// (dtype object, DType) pairs from register_dtypes; the objects are kept alive for the process.
+std::vector<std::pair<PyObject*, fd::DType>>& registered_dtypes() {
+  static std::vector<std::pair<PyObject*, fd::DType>> dtypes;
+  return dtypes;
+}
+
+nb::object attribute(nb::handle t, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(t.ptr(), name);
+  if (!value) throw nb::python_error();
+  return nb::steal(value);
+}
+
+nb::object method_result(nb::handle t, PyObject* name) {
+  PyObject* value = PyObject_CallMethodObjArgs(t.ptr(), name, nullptr);
+  if (!value) throw nb::python_error();
+  return nb::steal(value);
+}
+
+int read_sizes(nb::handle sizes, std::int64_t* out, const char* argument) {
+  if (!PyTuple_Check(sizes.ptr()) || PyTuple_GET_SIZE(sizes.ptr()) > fd::kMaxRank) {
+    fail(std::string("flash_dmattn: argument '") + argument + "': expected a tensor of at most " +
+         std::to_string(fd::kMaxRank) + " dims");
+  }
+  const int rank = static_cast<int>(PyTuple_GET_SIZE(sizes.ptr()));
+  for (int d = 0; d < rank; ++d) {
+    out[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes.ptr(), d));
+    if (out[d] == -1 && PyErr_Occurred()) throw nb::python_error();
+  }
+  return rank;
+}
+
+fd::TensorView read_tensor(nb::handle t, const char* argument) {
+  const TensorAttributes& names = tensor_attributes();
+  fd::TensorView view;
+  const nb::object dtype = attribute(t, names.dtype);
+  bool known = false;
+  for (const auto& [object, type] : registered_dtypes()) {
+    if (object == dtype.ptr()) {
+      view.dtype = type;
+      known = true;
+      break;
+    }
+  }
+  if (!known) {
+    fail(std::string("flash_dmattn: argument '") + argument + "': expected dtype float16, bfloat16, float32 or "
+         "bool, got " + nb::repr(dtype).c_str());
+  }
+  view.rank = read_sizes(attribute(t, names.shape), view.shape, argument);
+  if (read_sizes(method_result(t, names.stride), view.stride, argument) != view.rank) {
+    fail(std::string("flash_dmattn: argument '") + argument + "': stride() and shape differ in length");
+  }
+  view.data = PyLong_AsVoidPtr(method_result(t, names.data_ptr).ptr());
+  if (PyErr_Occurred()) throw nb::python_error();
+  if (attribute(t, names.is_cuda).ptr() == Py_True) {
+    view.device = {fd::DeviceType::cuda, static_cast<int>(PyLong_AsLong(method_result(t, names.get_device).ptr()))};
+  } else if (attribute(t, names.is_cpu).ptr() == Py_True) {
+    view.device = {fd::DeviceType::cpu, 0};
+  } else {
+    fail(std::string("flash_dmattn: argument '") + argument + "': expected a CPU or CUDA tensor");
+  }
+  return view;
+}
+
+std::optional<fd::TensorView> read_optional_tensor(nb::handle t, const char* argument) {
+  return t.is_none() ? std::nullopt : std::optional<fd::TensorView>(read_tensor(t, argument));
+}
+
+// Whether the CUDA kernels can load t's rows as 16-byte vectors: the base address and every
+// stride but the last's a whole number of vectors, and the last dim contiguous.
+bool rows_aligned(nb::handle t) {
+  const fd::TensorView v = read_tensor(t, "tensor");
+  if (reinterpret_cast<std::uintptr_t>(v.data) % 16 != 0) return false;
+  if (v.rank > 0 && v.shape[v.rank - 1] != 1 && v.stride[v.rank - 1] != 1) return false;
+  const auto elements = static_cast<std::int64_t>(16 / fd::dtype_size(v.dtype));
+  for (int d = 0; d + 1 < v.rank; ++d) {
+    if (v.shape[d] != 1 && v.stride[d] % elements != 0) return false;
+  }
+  return true;
+}
+
+// The tensors ForwardArgs and BackwardArgs share, read into args.
+template <typename Args>
+void read_shared_tensors(Args& args, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                         nb::handle mask, nb::handle bias) {
+  args.q = read_tensor(q, "q");
+  args.k = read_tensor(k, "k");
+  args.v = read_tensor(v, "v");
+  args.out = read_tensor(out, "out");
+  args.lse = read_tensor(lse, "lse");
+  args.mask = read_optional_tensor(mask, "mask");
+  args.bias = read_optional_tensor(bias, "bias");
 }
 
 void translate_error(const std::exception_ptr& p, void*) {
@@ -222,6 +339,61 @@ NB_MODULE(_C, m) {
           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
           nb::arg("deterministic") = false, nb::arg("backend") = "automatic", nb::arg("stream") = 0,
           nb::arg("prepared_mask").none() = nb::none(), nb::keep_alive<1, 20>());
+
+  m.def(
+      "register_dtypes",
+      [](nb::dict mapping) {
+        auto& dtypes = registered_dtypes();
+        for (auto [object, name] : mapping) {
+          const fd::DType dtype = parse_dtype(nb::cast<std::string>(name));
+          dtypes.emplace_back(object.inc_ref().ptr(), dtype);
+        }
+      },
+      nb::arg("mapping"),
+      "Tells forward_args and backward_args which dtype objects their tensors' dtypes are: {dtype: name}");
+  // The torch front's ForwardArgs and BackwardArgs, read from its tensors (see read_tensor); the
+  // arguments are positional, in the order of the classes' constructors.
+  m.def(
+      "forward_args",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle mask, nb::handle bias,
+         std::optional<double> softmax_scale, bool causal, double softcap, std::uintptr_t stream,
+         const fd::PreparedMask* prepared_mask) {
+        fd::ForwardArgs args;
+        read_shared_tensors(args, q, k, v, out, lse, mask, bias);
+        args.options = make_options(softmax_scale, causal, softcap, "automatic", stream);
+        args.prepared_mask = prepared_mask;
+        return args;
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("mask").none(),
+      nb::arg("bias").none(), nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"),
+      nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 12>(),
+      "ForwardArgs of torch tensors (register_dtypes first)");
+  m.def(
+      "backward_args",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle dout, nb::handle dq,
+         nb::handle dk, nb::handle dv, nb::handle mask, nb::handle bias, nb::handle dbias,
+         std::optional<double> softmax_scale, bool causal, double softcap, bool deterministic, std::uintptr_t stream,
+         const fd::PreparedMask* prepared_mask) {
+        fd::BackwardArgs args;
+        read_shared_tensors(args, q, k, v, out, lse, mask, bias);
+        args.dout = read_tensor(dout, "dout");
+        args.dq = read_tensor(dq, "dq");
+        args.dk = read_tensor(dk, "dk");
+        args.dv = read_tensor(dv, "dv");
+        args.dbias = read_optional_tensor(dbias, "dbias");
+        args.options = make_options(softmax_scale, causal, softcap, "automatic", stream);
+        args.deterministic = deterministic;
+        args.prepared_mask = prepared_mask;
+        return args;
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("mask").none(), nb::arg("bias").none(), nb::arg("dbias").none(),
+      nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"), nb::arg("deterministic"),
+      nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 18>(),
+      "BackwardArgs of torch tensors (register_dtypes first)");
+
+  m.def("rows_aligned", &rows_aligned, nb::arg("tensor"),
+        "Whether a torch tensor's rows suit the CUDA kernels' 16-byte loads (register_dtypes first)");
 
   m.def(
       "forward_workspace_size",

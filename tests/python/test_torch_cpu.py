@@ -321,3 +321,25 @@ def test_calls_that_need_no_gradient_skip_autograd_but_keep_every_gradient_asked
         dual = fwAD.make_dual(q, torch.ones_like(q))
         with pytest.raises(RuntimeError):
             flash_dmattn_func(dual, k, v, attn_bias=bias)
+
+
+def test_the_module_reads_torch_tensors_directly():
+    """_C.rows_aligned and _C.forward_args read dtype, shape, strides, pointer and device from the
+    tensors themselves (the torch front's fast path); what they cannot read is named."""
+    _C = torch_ops._C
+    t = torch.zeros(2, 3, 4, 16, dtype=torch.bfloat16)
+    assert _C.rows_aligned(t)
+    assert not _C.rows_aligned(t.view(-1)[1:].view(-1)[:2 * 3 * 4 * 15].view(2, 3, 4, 15))  # odd base, odd rows
+    assert _C.rows_aligned(t[..., :12])  # a row's length does not matter, its stride does
+    assert not _C.rows_aligned(torch.zeros(2, 3, 4, 12, dtype=torch.bfloat16))  # rows 24 bytes apart
+    assert not _C.rows_aligned(t.transpose(2, 3))  # last dim not contiguous
+    with pytest.raises(ValueError, match="argument 'tensor': expected dtype float16, bfloat16, float32 or bool"):
+        _C.rows_aligned(t.to(torch.int8))
+    with pytest.raises(ValueError, match="argument 'q': expected a CPU or CUDA tensor"):
+        _C.forward_args(t.to("meta"), t, t, t, t, None, None, None, False, 0.0, 0, None)
+    q, k, v = q_k_v()
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 5)
+    args = _C.forward_args(q, k, v, out, lse, None, None, None, False, 0.0, 0, None)
+    torch_ops._run(_C.forward, _C.forward_workspace_size, args, q.device)
+    expected, expected_lse, _ = flash_dmattn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
