@@ -251,19 +251,20 @@ bool gather_forward_fits(const Problem& p) {
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V load.
+  // A tile then reads one mask summary (on the gather path one key list), so a mask with a head
+  // per query head is not packed. Packed rows of up to 16 query rows lie in one query tile of
+  // the gather path's lists.
+  const std::int64_t group = p.group_size();
+  const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
+  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
   if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
-    // The gather path's lists are per query tile of one mask head, so it does not pack GQA heads;
-    // its splits share out the chunks of each list.
+    // The splits of the gather path share out the chunks of each list.
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.mask, p);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else {
-    // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V
-    // load. A tile then reads one mask summary, so a mask with a head per query head is not packed.
-    const std::int64_t group = p.group_size();
-    const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
-    if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
     plan.family = choose_family(p, arch, Pass::forward);
   }
 

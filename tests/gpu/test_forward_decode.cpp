@@ -337,6 +337,15 @@ TEST_P(DecodeMasks, TopKLikeDensity3Percent) {
     SCOPED_TRACE("mask (B, H, Sq, Sk), non-causal");
     expect_forward_matches_reference(
         ForwardProblem::random(sparse_case(shape, per_row_mask(shape.n), 0.03, false), rng), stream());
+    if (test_stopped()) return;
+  }
+  {
+    // A row per query and KV head: the gather path packs each KV head's query heads into one
+    // CTA, whose rows then read one key list.
+    SCOPED_TRACE("mask (B, Hk, Sq, Sk), causal");
+    expect_forward_matches_reference(
+        ForwardProblem::random(sparse_case(shape, OperandShape{true, shape.n.Hk, true, true}, 0.03, true), rng),
+        stream());
   }
 }
 

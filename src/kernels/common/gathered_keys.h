@@ -26,13 +26,19 @@ struct GatheredKeys {
   const int* keys;  // this CTA's list, ascending
   const std::uint32_t* row_bits;
   int count;
+  int first_query;  // the query row of the list's row-bit row 0
   std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer c % kStages
 
-  __device__ __forceinline__ GatheredKeys(const KeyLists& lists, int b, int query_head, int m_block, char* smem) {
+  // The list of the query tile of kBlockM query rows that holds query row `query`, for mask head
+  // query_head / head_divisor. A CTA of GQA-packed rows (the query heads of one KV head, a few
+  // query rows each) reads the list of its query rows, which its heads share.
+  __device__ __forceinline__ GatheredKeys(const KeyLists& lists, int b, int query_head, int query, char* smem) {
+    const int m_block = query / kBlockM;
     const std::int64_t list = b * lists.batch_stride + (query_head / lists.head_divisor) * lists.head_stride + m_block;
     keys = lists.keys + list * lists.capacity;
     row_bits = lists.row_bits + list * lists.row_bits_stride;
     count = lists.counts[list];
+    first_query = m_block * kBlockM;
     staged = reinterpret_cast<std::uint32_t*>(smem);
   }
 
@@ -98,8 +104,11 @@ struct GatheredKeys {
     std::uint32_t keep[kRows][kWords];  // the staged keep bits of the thread's rows
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      // A row's bits by its query row (with packing, rows of several heads share one); a row past
+      // Sq reads some row's and is hidden below.
+      const int row = min(max(policy.row_index[r] - first_query, 0), kBlockM - 1);
       CUTE_UNROLL
-      for (int w = 0; w < kWords; ++w) keep[r][w] = staged_row_bits(c)[get<0>(coords(r, 0)) * kWords + w];
+      for (int w = 0; w < kWords; ++w) keep[r][w] = staged_row_bits(c)[row * kWords + w];
     }
     const float logit_scale = Kind::kSoftcap ? policy.scale / policy.softcap : policy.scale;
     CUTE_UNROLL

@@ -60,7 +60,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor sP = make_tensor(sK.data() + 2 * kKVBuffer, typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
-  const typename Smem::List list(f.lists, b, h, m_block, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
+  const typename Smem::List list(f.lists, b, h, m_block * Traits::kBlockM, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});

@@ -146,7 +146,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     // another for its V rows: instead chunk c + 1's K and V rows are gathered into the second
     // K/V buffer while chunk c computes (its keys were staged a chunk earlier still), and each
     // chunk waits once, behind the previous one's math.
-    GatheredKeys<kBlockM, kBlockN, kGatherStages> list(p.lists, b, rows.head(row0), m_block,
+    GatheredKeys<kBlockM, kBlockN, kGatherStages> list(p.lists, b, rows.head(row0), rows.query(row0),
                                                        smem + gather_staging_offset<Traits>());
     const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
     const int begin = min(list.chunks(), split * per_split), end = min(list.chunks(), begin + per_split);
