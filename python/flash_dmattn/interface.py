@@ -387,7 +387,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     if isinstance(attn_mask, PreparedMask):
         attn_mask, prepared = attn_mask._for_call(bool(is_causal), attn_indices)
     if (attn_indices is not None or attn_indices_bias is not None or
-            not _plainly_valid(query, key, value, attn_mask, attn_bias) or torch.is_autocast_enabled(query.device.type)):
+            not _plainly_valid(query, key, value, attn_mask, attn_bias) or
+            torch.is_autocast_enabled("cuda" if query.is_cuda else query.device.type)):
         _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias)
         query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
         _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)

@@ -248,6 +248,8 @@ bool gather_forward_fits(const Problem& p) {
   return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
 }
 
+constexpr std::int64_t kUnsplitKeyTiles = 2;
+
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
@@ -282,7 +284,12 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
                             (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
   const std::int64_t key_tiles = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
   const std::int64_t slots = std::int64_t(device_info(p.device.index).multiprocessors) * tile.ctas_per_sm;
-  if (ctas > 0 && ctas < slots && key_tiles > 1) {
+  // A span of one or two key tiles runs unsplit: its combine (a second launch, and a kernel that
+  // waits for the first) costs more than walking the second tile in the same CTA. Measured on an
+  // H200 (B1 H4/2 Sq1 Sk256, mask + bias): at D64 (two 128-key tiles) 0.024-0.026 ms unsplit
+  // against 0.029 split (bench CLI); at D128 (four 64-key tiles) the unsplit kernel took 13.7 us
+  // against 7.0 + 2.3 for the split one and its combine, so four tiles still split.
+  if (ctas > 0 && ctas < slots && key_tiles > kUnsplitKeyTiles) {
     plan.num_splits = static_cast<int>(
         std::min<std::int64_t>({(slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
   }
