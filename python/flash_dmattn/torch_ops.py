@@ -169,8 +169,10 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     head_dim = q.size(-1)
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     # Autograd hands over gradients of any layout (a sum's gradient is an all-zero-stride expand).
-    dout = _rows_aligned(_padded(dout.contiguous()))
-    q, k, v, out = (_rows_aligned(_padded(t)) for t in (q, k, v, out))
+    dout = dout.contiguous()
+    if head_dim % _HEAD_DIM_MULTIPLE:  # (every one of them has q's head dim)
+        dout, q, k, v, out = _padded(dout), _padded(q), _padded(k), _padded(v), _padded(out)
+    dout, q, k, v, out = _rows_aligned(dout), _rows_aligned(q), _rows_aligned(k), _rows_aligned(v), _rows_aligned(out)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dbias = _empty_like(bias) if bias_grad else q.new_empty(0)
     args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, bias, dbias if bias_grad else None, scale,
