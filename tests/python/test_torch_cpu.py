@@ -343,3 +343,40 @@ def test_the_module_reads_torch_tensors_directly():
     torch_ops._run(_C.forward, _C.forward_workspace_size, args, q.device)
     expected, expected_lse, _ = flash_dmattn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
+def test_the_one_pass_check_accepts_only_what_the_checks_accept():
+    """interface._plainly_valid lets a call skip the per-argument checks: every call it accepts
+    must pass them (random shapes, dims and dtypes, many of them invalid)."""
+    import random
+    rng = random.Random(0)
+    pick = rng.choice
+    accepted = 0
+    for _ in range(1500):
+        batch, seqlen_q, kv_heads, seqlen_k, head_dim = pick([1, 2]), pick([1, 3]), pick([1, 2]), pick([1, 4]), 8
+        heads = kv_heads * pick([1, 2])
+        dtype = pick([torch.float16, torch.bfloat16, torch.float32])
+        q = torch.zeros(batch, seqlen_q, heads, pick([head_dim, head_dim, 264]), dtype=dtype)
+        k = torch.zeros(pick([batch, batch, 3]), seqlen_k, pick([kv_heads, kv_heads, 3]), head_dim,
+                        dtype=pick([dtype, dtype, torch.float16]))
+        v = torch.zeros(k.shape[0], pick([seqlen_k, seqlen_k, 5]), k.shape[2], head_dim,
+                        dtype=pick([k.dtype, k.dtype, dtype]))
+
+        def operand(dtypes):
+            if rng.random() < 0.3:
+                return None
+            sizes = [pick([1, batch, 3]), pick([1, kv_heads, heads, 3]), pick([1, seqlen_q, 2]), pick([1, seqlen_k, 6])]
+            return torch.zeros(sizes[:pick([4, 4, 4, 3])], dtype=pick(dtypes))
+
+        mask = operand([torch.bool, torch.bool, torch.float16])
+        bias = operand([dtype, torch.float32, torch.float64])
+        quick = interface._plainly_valid(q, k, v, mask, bias)
+        try:
+            interface._check_types(q, k, v, mask, bias, None)
+            interface._check_operands(q, k, v, mask, bias, None)
+        except (TypeError, ValueError):
+            assert not quick, (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype,
+                               None if mask is None else (mask.shape, mask.dtype),
+                               None if bias is None else (bias.shape, bias.dtype))
+        accepted += quick
+    assert accepted > 20
