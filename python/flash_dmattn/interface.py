@@ -206,8 +206,8 @@ def _plainly_valid(query, key, value, attn_mask, attn_bias) -> bool:
         return False
     batch, seqlen_q, heads, head_dim = shape
     key_batch, seqlen_k, kv_heads, key_head_dim = key_shape
-    if (key_batch != batch or key_head_dim != head_dim or not 0 < head_dim <= _MAX_HEAD_DIM or kv_heads == 0 or
-            heads % kv_heads != 0):
+    if (key_batch != batch or key_head_dim != head_dim or not 0 < head_dim <= _MAX_HEAD_DIM or heads == 0 or
+            kv_heads == 0 or heads % kv_heads != 0):
         return False
     for t in (attn_mask, attn_bias):
         if t is not None:

@@ -179,7 +179,9 @@ fd::TensorView read_tensor(nb::handle t, const char* argument) {
   view.data = PyLong_AsVoidPtr(method_result(t, names.data_ptr).ptr());
   if (PyErr_Occurred()) throw nb::python_error();
   if (attribute(t, names.is_cuda).ptr() == Py_True) {
-    view.device = {fd::DeviceType::cuda, static_cast<int>(PyLong_AsLong(method_result(t, names.get_device).ptr()))};
+    const long index = PyLong_AsLong(method_result(t, names.get_device).ptr());
+    if (index == -1 && PyErr_Occurred()) throw nb::python_error();
+    view.device = {fd::DeviceType::cuda, static_cast<int>(index)};
   } else if (attribute(t, names.is_cpu).ptr() == Py_True) {
     view.device = {fd::DeviceType::cpu, 0};
   } else {

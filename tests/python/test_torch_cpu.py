@@ -352,9 +352,10 @@ def test_the_one_pass_check_accepts_only_what_the_checks_accept():
     rng = random.Random(0)
     pick = rng.choice
     accepted = 0
-    for _ in range(1500):
-        batch, seqlen_q, kv_heads, seqlen_k, head_dim = pick([1, 2]), pick([1, 3]), pick([1, 2]), pick([1, 4]), 8
-        heads = kv_heads * pick([1, 2])
+    for _ in range(3000):
+        batch, seqlen_q, kv_heads, seqlen_k = pick([1, 2]), pick([0, 1, 3]), pick([0, 1, 2]), pick([0, 1, 4])
+        head_dim = pick([8, 8, 8, 0])
+        heads = kv_heads * pick([1, 2]) if rng.random() < 0.8 else pick([0, 3])
         dtype = pick([torch.float16, torch.bfloat16, torch.float32])
         q = torch.zeros(batch, seqlen_q, heads, pick([head_dim, head_dim, 264]), dtype=dtype)
         k = torch.zeros(pick([batch, batch, 3]), seqlen_k, pick([kv_heads, kv_heads, 3]), head_dim,
