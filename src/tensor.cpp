@@ -1,3 +1,4 @@
+#include <cstdint>
 #include <sstream>
 
 #include "flash_dmattn/attention.h"
@@ -40,6 +41,17 @@ std::int64_t TensorView::numel() const {
   std::int64_t n = 1;
   for (int d = 0; d < rank; ++d) n *= shape[d];
   return n;
+}
+
+bool rows_aligned_16(const TensorView& view) {
+  if (view.numel() == 0) return true;
+  if (reinterpret_cast<std::uintptr_t>(view.data) % 16 != 0) return false;
+  if (view.rank > 0 && view.shape[view.rank - 1] > 1 && view.stride[view.rank - 1] != 1) return false;
+  const auto elements = static_cast<std::int64_t>(16 / dtype_size(view.dtype));
+  for (int d = 0; d + 1 < view.rank; ++d) {
+    if (view.shape[d] > 1 && view.stride[d] % elements != 0) return false;
+  }
+  return true;
 }
 
 static std::string tuple_string(const std::int64_t* values, int rank) {

@@ -215,13 +215,9 @@ Status check_no_overlap(const Checker& c, const std::vector<Named>& inputs, cons
   return Status::success();
 }
 
-bool rows_aligned_16(std::initializer_list<const TensorView*> views) {
+bool all_rows_aligned_16(std::initializer_list<const TensorView*> views) {
   for (const TensorView* v : views) {
-    if (v->numel() == 0) continue;
-    const auto elements = static_cast<std::int64_t>(16 / dtype_size(v->dtype));
-    if (reinterpret_cast<std::uintptr_t>(v->data) % 16 != 0) return false;
-    for (int d = 0; d + 1 < v->rank; ++d)
-      if (v->shape[d] > 1 && v->stride[d] % elements != 0) return false;
+    if (!rows_aligned_16(*v)) return false;
   }
   return true;
 }
@@ -315,7 +311,7 @@ Status validate_forward(const ForwardArgs& a, Problem* p) {
   const Named indices{"indices", a.indices ? &*a.indices : nullptr};
   const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias};
   const std::vector<Named> outputs = {out, lse};
-  p->rows_aligned_16 = rows_aligned_16({&a.q, &a.k, &a.v, &a.out});
+  p->rows_aligned_16 = all_rows_aligned_16({&a.q, &a.k, &a.v, &a.out});
   std::vector<Named> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   FDMA_CHECK_OK(check_same_device(c, all));
@@ -357,7 +353,7 @@ Status validate_backward(const BackwardArgs& a, Problem* p) {
   const Named indices{"indices", a.indices ? &*a.indices : nullptr};
   const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias, out, lse, dout};
   const std::vector<Named> outputs = {dq, dk, dv, dbias};
-  p->rows_aligned_16 = rows_aligned_16({&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv});
+  p->rows_aligned_16 = all_rows_aligned_16({&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv});
   std::vector<Named> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   FDMA_CHECK_OK(check_same_device(c, all));

@@ -48,6 +48,11 @@ struct TensorView {
   std::string stride_string() const;  // "(65536, 512, 64, 1)"
 };
 
+// Whether the CUDA kernels can load the view's rows as 16-byte vectors: the last dim contiguous,
+// and the base address and every other stride (of dims longer than 1) whole vectors. Where this
+// fails, the kernels take a slower path; an empty view counts as aligned.
+bool rows_aligned_16(const TensorView& view);
+
 // A view with explicit strides; shape and stride must have the same length (at most kMaxRank).
 TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                      std::initializer_list<std::int64_t> stride, Device device = {});

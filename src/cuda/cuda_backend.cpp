@@ -241,11 +241,15 @@ cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& ma
   return kernels::build_key_lists(extent, summary, workspace, stream, lists);
 }
 
+// Whether a kernel needing `needed` bytes of shared memory per block (0: not built) fits p's device.
+bool smem_fits(int needed, const Problem& p) {
+  return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
+}
+
 // Whether the gather forward's shared memory (a second K/V buffer beside the tiles') fits the
 // device: not at the largest head dims on GPUs with less than Hopper's and A100's.
 bool gather_forward_fits(const Problem& p) {
-  const int needed = kernels::sm80::gather_forward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
-  return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
+  return smem_fits(kernels::sm80::gather_forward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
 constexpr std::int64_t kUnsplitKeyTiles = 2;
@@ -333,8 +337,10 @@ struct BackwardPlan {
   std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
   std::size_t dkv_accum_bytes = 0, lists_bytes = 0;  // dkv: dK's and dV's accumulators, each this size
 
+  // The accumulators (dQ, dBias, dK, dV) lie back to back from here to lists_offset().
+  std::size_t accumulators_offset() const { return align_up(summary_bytes) + align_up(dsum_bytes); }
   std::size_t dkv_offset() const {
-    return align_up(summary_bytes) + align_up(dsum_bytes) + align_up(dq_accum_bytes) + align_up(dbias_accum_bytes);
+    return accumulators_offset() + align_up(dq_accum_bytes) + align_up(dbias_accum_bytes);
   }
   std::size_t lists_offset() const { return dkv_offset() + 2 * align_up(dkv_accum_bytes); }
   std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
@@ -346,8 +352,7 @@ struct BackwardPlan {
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
   if (!gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward)) return false;
   if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
-  const int needed = kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim));
-  return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
+  return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
@@ -530,10 +535,10 @@ class CudaSm80Backend final : public BackendImpl {
     }
     if (pass == Pass::backward) {
       const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
-      const int available = device_info(p.device.index).smem_per_block_optin;
-      if (needed > available) {
+      if (needed > 0 && !smem_fits(needed, p)) {
         return "the backward at head dim " + std::to_string(p.head_dim) + " needs " + std::to_string(needed) +
-               " bytes of shared memory per block, the device allows " + std::to_string(available);
+               " bytes of shared memory per block, the device allows " +
+               std::to_string(device_info(p.device.index).smem_per_block_optin);
       }
     }
     if (p.seqlen_q > INT_MAX / 2) return "supports seqlen_q below 2^30, got " + std::to_string(p.seqlen_q);
@@ -641,12 +646,9 @@ class CudaSm80Backend final : public BackendImpl {
     const BackwardPlan plan = plan_backward(a, p, arch_of(p.device.index));
     kernels::BackwardParams params = backward_params(a, p, plan);
     char* workspace = static_cast<char*>(a.workspace.data);
-    std::size_t offset = align_up(plan.summary_bytes);
-    params.dsum = reinterpret_cast<float*>(workspace + offset);
-    offset += align_up(plan.dsum_bytes);
-    params.dq_accum = reinterpret_cast<float*>(workspace + offset);
-    offset += align_up(plan.dq_accum_bytes);
-    params.dbias.accum = reinterpret_cast<float*>(workspace + offset);
+    params.dsum = reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes));
+    params.dq_accum = reinterpret_cast<float*>(workspace + plan.accumulators_offset());
+    params.dbias.accum = reinterpret_cast<float*>(workspace + plan.accumulators_offset() + align_up(plan.dq_accum_bytes));
     params.dk_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset());
     params.dv_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset() + align_up(plan.dkv_accum_bytes));
 
@@ -659,9 +661,8 @@ class CudaSm80Backend final : public BackendImpl {
                                       workspace + plan.lists_offset(), stream, &params.fwd.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
-    // The accumulators (dQ, dBias, dK, dV) lie back to back: one memset zeroes them all (each
-    // memset costs the host 6-15 us, about a launch).
-    const std::size_t accumulators = align_up(plan.summary_bytes) + align_up(plan.dsum_bytes);
+    // One memset zeroes every accumulator (each memset costs the host 6-15 us, about a launch).
+    const std::size_t accumulators = plan.accumulators_offset();
     if (plan.lists_offset() > accumulators) {
       const cudaError_t e = cudaMemsetAsync(workspace + accumulators, 0, plan.lists_offset() - accumulators, stream);
       if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);

@@ -194,18 +194,8 @@ std::optional<fd::TensorView> read_optional_tensor(nb::handle t, const char* arg
   return t.is_none() ? std::nullopt : std::optional<fd::TensorView>(read_tensor(t, argument));
 }
 
-// Whether the CUDA kernels can load t's rows as 16-byte vectors: the base address and every
-// stride but the last's a whole number of vectors, and the last dim contiguous.
-bool rows_aligned(nb::handle t) {
-  const fd::TensorView v = read_tensor(t, "tensor");
-  if (reinterpret_cast<std::uintptr_t>(v.data) % 16 != 0) return false;
-  if (v.rank > 0 && v.shape[v.rank - 1] != 1 && v.stride[v.rank - 1] != 1) return false;
-  const auto elements = static_cast<std::int64_t>(16 / fd::dtype_size(v.dtype));
-  for (int d = 0; d + 1 < v.rank; ++d) {
-    if (v.shape[d] != 1 && v.stride[d] % elements != 0) return false;
-  }
-  return true;
-}
+// Whether the CUDA kernels can load t's rows as 16-byte vectors (flash_dmattn::rows_aligned_16).
+bool rows_aligned(nb::handle t) { return fd::rows_aligned_16(read_tensor(t, "tensor")); }
 
 // The tensors ForwardArgs and BackwardArgs share, read into args.
 template <typename Args>

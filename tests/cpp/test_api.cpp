@@ -248,6 +248,17 @@ TEST(Api, PreparedMaskIsCheckedAgainstEveryCallThatReadsIt) {
   EXPECT_EQ(prepare_mask(p.forward_args(), nullptr).code(), StatusCode::invalid_argument);
 }
 
+TEST(Api, RowsAlignedNeedsWholeVectorsAndAContiguousLastDim) {
+  alignas(16) static std::uint16_t memory[4096];
+  void* base = memory;
+  EXPECT_TRUE(rows_aligned_16(make_contiguous_view(base, DType::bfloat16, {2, 3, 4, 64})));
+  EXPECT_FALSE(rows_aligned_16(make_contiguous_view(memory + 1, DType::bfloat16, {2, 3, 4, 64})));
+  EXPECT_FALSE(rows_aligned_16(make_view(base, DType::bfloat16, {2, 3, 4, 60}, {720, 240, 60, 1})));
+  EXPECT_TRUE(rows_aligned_16(make_view(base, DType::bfloat16, {1, 3, 1, 60}, {7, 64, 3, 1})));  // unit dims
+  EXPECT_FALSE(rows_aligned_16(make_view(base, DType::bfloat16, {2, 3, 4, 64}, {1536, 512, 128, 2})));
+  EXPECT_TRUE(rows_aligned_16(make_view(memory + 1, DType::bfloat16, {2, 0, 4, 64}, {0, 0, 0, 1})));  // empty
+}
+
 TEST(Api, ThrowIfErrorCarriesTheMessage) {
   auto rng = test_rng();
   ApiProblem p(Sizes{2, 3, 4, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);

@@ -11,14 +11,17 @@
 
 namespace flash_dmattn::kernels {
 
-// Whether `kernel`'s dynamic shared memory limit was raised on `device` already; marks it raised
-// when `raise` holds. The limit stays raised, and raising it again costs the host a few
-// microseconds per launch (torch's profiler on an H200 host).
-inline bool smem_limit_raised(const void* kernel, int device, bool raise) {
+// Raises `kernel`'s dynamic shared memory limit on `device` to `bytes`, once: the limit stays
+// raised, and raising it again costs the host a few microseconds per launch (torch's profiler on
+// an H200 host). A failed raise is not remembered, so the next launch tries again.
+inline cudaError_t raise_smem_limit_once(const void* kernel, int device, int bytes) {
   static std::mutex mutex;
   static std::set<std::pair<const void*, int>> raised;
   const std::lock_guard<std::mutex> lock(mutex);
-  return raise ? (raised.emplace(kernel, device), true) : raised.count({kernel, device}) > 0;
+  if (raised.count({kernel, device}) > 0) return cudaSuccess;
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (status == cudaSuccess) raised.emplace(kernel, device);
+  return status;
 }
 
 // Lets `kernel` take kSmem bytes of dynamic shared memory: above 48 KB only after raising its
@@ -27,13 +30,9 @@ template <int kSmem, typename Kernel>
 cudaError_t allow_dynamic_smem(Kernel* kernel) {
   if constexpr (kSmem >= 48 * 1024) {
     int device = 0;
-    cudaError_t status = cudaGetDevice(&device);
+    const cudaError_t status = cudaGetDevice(&device);
     if (status != cudaSuccess) return status;
-    const void* key = reinterpret_cast<const void*>(kernel);
-    if (smem_limit_raised(key, device, false)) return cudaSuccess;
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (status == cudaSuccess) smem_limit_raised(key, device, true);
-    return status;
+    return raise_smem_limit_once(reinterpret_cast<const void*>(kernel), device, kSmem);
   }
   return cudaSuccess;
 }
