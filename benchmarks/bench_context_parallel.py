@@ -8,8 +8,13 @@ Run under torchrun, one process a GPU (NCCL), or on CPU with gloo for a smoke te
 Every rank holds a zigzag shard of (B, S, H, D) with S = W x tokens-per-rank, an all-true mask and a
 bias that need one row for all queries, (B, Hk, 1, S) (a mask with a row per query takes
 S/W x S bytes per head and rank: 16 GB at 64k tokens on 4 ranks), causal, with the bias gradient.
-Rank 0 prints the median forward and backward milliseconds (CUDA events, after warm-up) and the
-per-token throughput; compare the line of each world size with the one-rank line.
+Rank 0 prints the median forward and backward milliseconds (CUDA events, after warm-up) and each
+rank's share of the causal work as TFLOP/s: the whole sequence's S(S+1)/2 visible pairs x 4·H·D
+FLOPs forward (10·H·D backward: five GEMMs to the forward's two) over W ranks. Under weak scaling
+the work per rank grows with W (S does), so tokens per ms must fall as 1/W; TFLOP/s per rank is
+what can stay flat. With one rank the script first times a plain flash_dmattn_func call (the
+"single" line), the baseline: scripts/context_parallel_check.sh prints each line's TFLOP/s per rank
+against it.
 """
 import argparse
 import statistics
@@ -18,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from flash_dmattn import flash_dmattn_func
 from flash_dmattn.distributed import context_parallel_attention
 
 
@@ -67,21 +73,27 @@ def main():
     bias = torch.randn(B, Hk, 1, seqlen, device=device, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, local, H, D, device=device, dtype=dtype)
 
-    def forward():
-        with torch.no_grad():
-            context_parallel_attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
+    def report(label, attention):
+        def forward():
+            with torch.no_grad():
+                attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
 
-    def forward_backward():
-        out = context_parallel_attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
-        torch.autograd.grad(out, (q, k, v, bias), dout)
+        def forward_backward():
+            out = attention(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
+            torch.autograd.grad(out, (q, k, v, bias), dout)
 
-    forward_ms = timed(forward, device, args.runs)
-    total_ms = timed(forward_backward, device, args.runs)
-    if rank == 0:
-        backward_ms = total_ms - forward_ms
-        print(f"world {world} ({device.type}): B{B} H{H}/Hk{Hk} D{D} S {seqlen} ({local} per rank), causal, mask + "
-              f"bias: forward {forward_ms:.3f} ms, backward {backward_ms:.3f} ms; per rank "
-              f"{local / forward_ms:.1f} tokens/ms forward, {local / backward_ms:.1f} tokens/ms backward")
+        forward_ms = timed(forward, device, args.runs)
+        backward_ms = timed(forward_backward, device, args.runs) - forward_ms
+        if rank == 0:
+            pairs = B * H * seqlen * (seqlen + 1) / 2 / world  # this rank's share of the causal (query, key) pairs
+            forward_tflops, backward_tflops = 4 * D * pairs / forward_ms / 1e9, 10 * D * pairs / backward_ms / 1e9
+            print(f"{label} {world} ({device.type}): B{B} H{H}/Hk{Hk} D{D} S {seqlen} ({local} per rank), causal, "
+                  f"mask + bias: forward {forward_ms:.3f} ms, backward {backward_ms:.3f} ms; per rank "
+                  f"{forward_tflops:.1f} TFLOP/s forward, {backward_tflops:.1f} TFLOP/s backward", flush=True)
+
+    if world == 1:  # the baseline: one flash_dmattn_func call on the whole (unsharded) sequence
+        report("single", flash_dmattn_func)
+    report("world", context_parallel_attention)
     dist.destroy_process_group()
 
 

@@ -10,8 +10,12 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 python3 -m pytest -q -p no:cacheprovider tests/python/test_context_parallel.py || rc=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ranks="${CP_RANKS:-$(r=1; while [ "$r" -le "$gpus" ]; do echo -n "$r "; r=$((r * 2)); done)}"
+lines=$(mktemp)
 for n in $ranks; do
   timeout "${CP_TIMEOUT:-600}" torchrun --standalone --nproc_per_node="$n" benchmarks/bench_context_parallel.py \
-    ${CP_BENCH_ARGS:---tokens-per-rank 65536} || rc=1
+    ${CP_BENCH_ARGS:---tokens-per-rank 65536} | tee -a "$lines" || rc=1
 done
+# Weak-scaling efficiency: each line's TFLOP/s per rank over the first line's (one flash_dmattn_func call).
+awk '/^(single|world)/ { f = $(NF-5); b = $(NF-2); if (!f0) { f0 = f; b0 = b }
+  printf "%s %s: forward %.2f, backward %.2f of the single call'"'"'s TFLOP/s per rank\n", $1, $2, f / f0, b / b0 }' "$lines"
 exit ${rc:-0}
