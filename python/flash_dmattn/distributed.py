@@ -143,9 +143,8 @@ def _ring_steps(ring: _Ring, chunk: int, causal: bool):
 def _steps_with_keys(mask, steps, chunk: int):
     """Whether each step's block has a key its rows keep, from this rank's mask rows: a block with
     none is not computed (its K and V still travel on). One read of the device for all steps;
-    every step counts as visible without a mask, while torch.compile traces or a CUDA graph is
-    captured."""
-    if mask is None or torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    every step counts as visible without a mask, and while torch.compile traces."""
+    if mask is None or torch.compiler.is_compiling():
         return [True] * len(steps)
     return torch.stack([_block_operand(mask, step, chunk).any() for step in steps]).tolist()
 
@@ -246,6 +245,13 @@ def _check(query, key, value, attn_mask, attn_bias, world_size: int) -> None:
                                     f"{tuple(t.shape)}")
 
 
+def _capturing(query) -> bool:
+    """Whether a CUDA graph is being captured on the current stream. Tried on 2 H200s (NCCL),
+    capturing the forward ring's batch_isend_irecv exchanges hung (docs/python.md): such a call
+    is refused rather than left to hang."""
+    return isinstance(query, torch.Tensor) and query.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None,
                                is_causal=False, softcap=None, deterministic=False, group=None,
                                return_lse=False):
@@ -270,6 +276,9 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
     Returns:
         out (B, S_local, H, D), this rank's rows, or (out, lse).
     """
+    if _capturing(query):
+        raise RuntimeError("context_parallel_attention: CUDA-graph capture is not supported: capturing the ring's "
+                           "NCCL send/recv exchanges hung when tried; call it outside the captured region")
     world_size = dist.get_world_size(group)
     _check(query, key, value, attn_mask, attn_bias, world_size)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)

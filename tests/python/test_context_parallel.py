@@ -115,6 +115,37 @@ def test_four_ranks_match_the_single_call():
     _run(4)
 
 
+def _capture_worker(rank, world_size, init_file):
+    from flash_dmattn.distributed import context_parallel_attention
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    try:
+        q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA-graph capture is not supported"):
+            with torch.cuda.graph(graph):
+                context_parallel_attention(q, k, k, is_causal=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_call_under_capture_raises_before_any_exchange(monkeypatch):
+    from flash_dmattn import distributed
+
+    monkeypatch.setattr(distributed, "_capturing", lambda query: True)
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="CUDA-graph capture is not supported"):
+        distributed.context_parallel_attention(q, q[:, :, :1], q[:, :, :1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_capture_is_refused():
+    with tempfile.TemporaryDirectory() as directory:
+        torch.multiprocessing.spawn(_capture_worker, args=(1, os.path.join(directory, "init")), nprocs=1, join=True)
+
+
 def test_zigzag_shards_put_back_together_are_the_tensor():
     from flash_dmattn.distributed import zigzag_shard
 
