@@ -15,7 +15,8 @@ for n in $ranks; do
   timeout "${CP_TIMEOUT:-600}" torchrun --standalone --nproc_per_node="$n" benchmarks/bench_context_parallel.py \
     ${CP_BENCH_ARGS:---tokens-per-rank 65536} | tee -a "$lines" || rc=1
 done
-# Weak-scaling efficiency: each line's TFLOP/s per rank over the first line's (one flash_dmattn_func call).
-awk '/^(single|world)/ { f = $(NF-5); b = $(NF-2); if (!f0) { f0 = f; b0 = b }
-  printf "%s %s: forward %.2f, backward %.2f of the single call'"'"'s TFLOP/s per rank\n", $1, $2, f / f0, b / b0 }' "$lines"
+# Weak-scaling efficiency: each line's TFLOP/s per rank over the single call's (printed at one rank).
+awk '/^single/ { f0 = $(NF-5); b0 = $(NF-2) }
+  /^(single|world)/ && f0 > 0 && b0 > 0 { f = $(NF-5); b = $(NF-2)
+  printf "%s %s: forward %.3f, backward %.3f of the single call'"'"'s TFLOP/s per rank\n", $1, $2, f / f0, b / b0 }' "$lines"
 exit ${rc:-0}

@@ -49,8 +49,9 @@ struct TensorView {
 };
 
 // Whether the CUDA kernels can load the view's rows as 16-byte vectors: the last dim contiguous,
-// and the base address and every other stride (of dims longer than 1) whole vectors. Where this
-// fails, the kernels take a slower path; an empty view counts as aligned.
+// and the base address and every other stride (of dims longer than 1) whole vectors. The CUDA
+// backend refuses q, k, v and out (and the backward's gradients) without it; the torch front
+// copies such tensors first. An empty view counts as aligned.
 bool rows_aligned_16(const TensorView& view);
 
 // A view with explicit strides; shape and stride must have the same length (at most kMaxRank).

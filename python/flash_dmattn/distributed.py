@@ -180,6 +180,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if _capturing(dout):  # the backward's ring exchanges K, V and their gradients: as the forward
+            raise RuntimeError(_CAPTURE_REFUSED)
         q, k, v, mask, bias, out, lse = ctx.saved_tensors
         softmax_scale, softcap, deterministic, group = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
@@ -245,11 +247,18 @@ def _check(query, key, value, attn_mask, attn_bias, world_size: int) -> None:
                                     f"{tuple(t.shape)}")
 
 
+_CAPTURE_REFUSED = ("context_parallel_attention: CUDA-graph capture is not supported: capturing the ring's NCCL "
+                     "send/recv exchanges hung when tried; call it (and its backward) outside the captured region")
+
+
 def _capturing(query) -> bool:
     """Whether a CUDA graph is being captured on the current stream. Tried on 2 H200s (NCCL),
     capturing the forward ring's batch_isend_irecv exchanges hung (docs/python.md): such a call
     is refused rather than left to hang."""
-    return isinstance(query, torch.Tensor) and query.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (isinstance(query, torch.Tensor) and query.is_cuda):
+        return False
+    with torch.cuda.device(query.device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None,
@@ -277,8 +286,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
         out (B, S_local, H, D), this rank's rows, or (out, lse).
     """
     if _capturing(query):
-        raise RuntimeError("context_parallel_attention: CUDA-graph capture is not supported: capturing the ring's "
-                           "NCCL send/recv exchanges hung when tried; call it outside the captured region")
+        raise RuntimeError(_CAPTURE_REFUSED)
     world_size = dist.get_world_size(group)
     _check(query, key, value, attn_mask, attn_bias, world_size)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)

@@ -140,6 +140,22 @@ def test_a_call_under_capture_raises_before_any_exchange(monkeypatch):
         distributed.context_parallel_attention(q, q[:, :, :1], q[:, :, :1])
 
 
+def test_a_backward_under_capture_raises_before_any_exchange(monkeypatch, tmp_path):
+    from flash_dmattn import distributed
+
+    if not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(1, 4, 2, 8, dtype=torch.float16, requires_grad=True)
+        out = distributed.context_parallel_attention(q, q[:, :, :1], q[:, :, :1])
+        monkeypatch.setattr(distributed, "_capturing", lambda query: True)
+        with pytest.raises(RuntimeError, match="CUDA-graph capture is not supported"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_graph_capture_is_refused():
     with tempfile.TemporaryDirectory() as directory:
