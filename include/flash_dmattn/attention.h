@@ -77,7 +77,7 @@ struct PreparedMask {
 struct ForwardArgs {
   TensorView q, k, v;
   std::optional<TensorView> mask;
-  std::optional<TensorView> indices;  // key lists per row; the CPU backend reads them, CUDA not yet
+  std::optional<TensorView> indices;  // key lists per row; CUDA: without a mask, gather path only (semantics.md §2)
   std::optional<TensorView> bias;
   TensorView out;  // written
   TensorView lse;  // written

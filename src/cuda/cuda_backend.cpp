@@ -184,6 +184,12 @@ kernels::KeyListExtent list_extent(const TensorView& mask, const Problem& p, int
   return e;
 }
 
+// What a call's key lists come from: its key indices where it has them (the CUDA backend takes
+// them without a mask, cannot_run), else its mask.
+const TensorView& list_source(const std::optional<TensorView>& mask, const std::optional<TensorView>& indices) {
+  return indices ? *indices : *mask;
+}
+
 // The forward's lists: also the ones a prepared mask holds, and up to D = 128 the backward's.
 kernels::KeyListExtent forward_list_extent(const TensorView& mask, const Problem& p) {
   const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
@@ -252,6 +258,27 @@ bool gather_forward_fits(const Problem& p) {
   return smem_fits(kernels::sm80::gather_forward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
+// Why a call with key indices cannot run, if it cannot: they are read on the gather path only
+// (sm80 kernels), and without a mask beside them.
+std::optional<std::string> indices_cannot_run(const Problem& p, BackendImpl::Pass pass) {
+  const std::string refusal = "reads key lists (indices) on its gather path only, ";
+  const std::string instead = ": pass the bool mask they stand for (the torch front builds it)";
+  if (p.has_mask) return refusal + "and not beside a mask yet" + instead;
+  if (sparse_path() == SparsePath::tile) return refusal + "which " + kSparsePathVariable + "=tile forbids" + instead;
+  if (pass == BackendImpl::Pass::forward && !gather_forward_fits(p)) {
+    return refusal + "whose forward does not fit this device's shared memory at head dim " +
+           std::to_string(p.head_dim) + instead;
+  }
+  if (pass == BackendImpl::Pass::backward) {
+    if (p.deterministic) return refusal + "whose backward is not deterministic yet" + instead;
+    if (!smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p)) {
+      return refusal + "whose backward does not run head dim " + std::to_string(p.head_dim) +
+             " on this device" + instead;
+    }
+  }
+  return std::nullopt;
+}
+
 constexpr std::int64_t kUnsplitKeyTiles = 2;
 
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
@@ -262,9 +289,18 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   // per query head is not packed. Packed rows of up to 16 query rows lie in one query tile of
   // the gather path's lists.
   const std::int64_t group = p.group_size();
-  const bool mask_per_query_head = a.mask && a.mask->shape[1] == p.heads && group > 1;
+  const TensorView* chooser = a.indices ? &*a.indices : a.mask ? &*a.mask : nullptr;
+  const bool mask_per_query_head = chooser && chooser->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
-  if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
+  if (a.indices) {
+    // Key indices go the gather path only (cannot_run refuses what it cannot take): their rows'
+    // bits, then the lists built from them as from a mask's.
+    plan.gather = true;
+    plan.family = KernelFamily::sm80;
+    plan.lists = forward_list_extent(*a.indices, p);
+    plan.summary_bytes = kernels::index_bits_bytes(plan.lists);
+    plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
+  } else if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
     plan.gather = true;
     plan.family = KernelFamily::sm80;
@@ -350,7 +386,7 @@ struct BackwardPlan {
 // deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward)) return false;
+  if (!a.indices && !gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward)) return false;
   if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
@@ -361,8 +397,9 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
-    plan.lists = list_extent(*a.mask, p, tile.block_m, tile.block_n);
-    if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
+    const TensorView& source = list_source(a.mask, a.indices);
+    plan.lists = list_extent(source, p, tile.block_m, tile.block_n);
+    if (!lists_prepared(a.prepared_mask, plan.lists, source, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
     plan.dq_slots = 0;  // every query tile's CTA writes its dQ (gather_backward() ruled deterministic mode out)
   } else {
@@ -387,7 +424,11 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
-  if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  if (a.indices) {
+    plan.summary_bytes = kernels::index_bits_bytes(plan.lists);  // (cannot_run: indices take the gather path)
+  } else if (a.mask && !a.prepared_mask) {
+    plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
+  }
   plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
   plan.dq_accum_bytes = static_cast<std::size_t>(plan.dq_slots) * p.batch * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
 
@@ -501,10 +542,6 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
-    if (p.has_indices) {
-      return std::string("does not read key lists (indices) yet: pass the bool mask they stand for (the torch "
-                         "front builds it)");
-    }
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
     if (arch < 80) return "needs compute capability 8.0 or newer, device has " + std::to_string(arch / 10) + "." +
@@ -514,6 +551,9 @@ class CudaSm80Backend final : public BackendImpl {
       return "head dim " + std::to_string(p.head_dim) + " (" + dtype_name(p.dtype) + ") needs the head-dim " +
              std::to_string(kernels::sm80::head_dim_bucket(static_cast<int>(p.head_dim))) +
              " kernel, which this build does not include (FLASH_DMATTN_HEAD_DIMS, FLASH_DMATTN_DTYPES)";
+    }
+    if (p.has_indices) {
+      if (const auto why_not = indices_cannot_run(p, pass)) return why_not;
     }
     if (!p.rows_aligned_16) {
       return std::string(
@@ -621,12 +661,16 @@ class CudaSm80Backend final : public BackendImpl {
       params.partial_lse =
           reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes) + align_up(plan.partial_out_bytes));
     }
-    if (a.mask) {
+    if (a.indices) {
+      const cudaError_t e =
+          kernels::build_index_bits(plan.lists, index_rows(*a.indices), workspace, stream, &params.summary);
+      if (e != cudaSuccess) return cuda_failure("the index bits launch", e);
+    } else if (a.mask) {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
     if (plan.gather) {
-      const cudaError_t e = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.summary,
+      const cudaError_t e = key_lists(plan.lists, list_source(a.mask, a.indices), p, a.prepared_mask, params.summary,
                                       workspace + plan.lists_offset(), stream, &params.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
@@ -652,13 +696,19 @@ class CudaSm80Backend final : public BackendImpl {
     params.dk_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset());
     params.dv_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset() + align_up(plan.dkv_accum_bytes));
 
-    if (a.mask) {
+    if (a.indices) {
+      if (plan.gather) {  // (no gather on an empty problem: nothing reads the bits)
+        const cudaError_t e =
+            kernels::build_index_bits(plan.lists, index_rows(*a.indices), workspace, stream, &params.fwd.summary);
+        if (e != cudaSuccess) return cuda_failure("the index bits launch", e);
+      }
+    } else if (a.mask) {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.fwd.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
     }
     if (plan.gather) {
-      const cudaError_t e = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.fwd.summary,
-                                      workspace + plan.lists_offset(), stream, &params.fwd.lists);
+      const cudaError_t e = key_lists(plan.lists, list_source(a.mask, a.indices), p, a.prepared_mask,
+                                      params.fwd.summary, workspace + plan.lists_offset(), stream, &params.fwd.lists);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     }
     // One memset zeroes every accumulator (each memset costs the host 6-15 us, about a launch).

@@ -33,6 +33,17 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
   return false;
 }
 
+kernels::IndexRows index_rows(const TensorView& indices) {
+  kernels::IndexRows rows;
+  rows.data = static_cast<const std::int32_t*>(indices.data);
+  rows.batch_stride = indices.shape[0] == 1 ? 0 : indices.stride[0];
+  rows.head_stride = indices.shape[1] == 1 ? 0 : indices.stride[1];
+  rows.row_stride = indices.shape[2] == 1 ? 0 : indices.stride[2];
+  rows.entry_stride = indices.stride[3];
+  rows.entries = static_cast<int>(indices.shape[3]);
+  return rows;
+}
+
 cudaError_t listed_share(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
                          double* share) {
   *share = -1;

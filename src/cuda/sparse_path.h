@@ -13,6 +13,7 @@
 #include <string>
 
 #include "backend.h"
+#include "kernels/common/index_bits.h"
 #include "kernels/common/key_lists.h"
 #include "kernels/params.h"
 
@@ -56,6 +57,9 @@ inline constexpr double kGatherDecodeShare = 0.25;
 inline double gather_forward_share(std::int64_t seqlen_q) {
   return seqlen_q == 1 ? kGatherDecodeShare : kGatherForwardShare;
 }
+
+// Key indices (B|1, H|Hk|1, Sq|1, K) as the bits pass reads them: strides of 0 where they broadcast.
+kernels::IndexRows index_rows(const TensorView& indices);
 
 // The share of the key span that lists just built on `stream` hold, or -1 where it cannot be
 // known: waits for the lists and reads their sizes back, the one synchronization of a

@@ -2,6 +2,8 @@
 // gradient check used by the reference suites.
 #pragma once
 
+#include <algorithm>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -101,5 +103,33 @@ inline void expect_gradients_match_finite_differences(RefProblem& p, std::mt1993
   check("v", p.v, g.dv);
   if (p.bias) check("bias", *p.bias, g.dbias);
 }
+
+// Lists of `keep` distinct random keys per row of `rows` (.., K = keep + 2): then one key listed
+// twice and one -1, shuffled; and the bool (.., Sk) mask they stand for.
+struct RandomKeyLists {
+  HostTensor indices, mask;
+
+  RandomKeyLists(const Shape& rows, std::int64_t seqlen_k, std::int64_t keep, std::mt19937_64& rng) {
+    indices = HostTensor::empty(DType::int32, {rows[0], rows[1], rows[2], keep + 2});
+    mask = HostTensor::empty(DType::boolean, {rows[0], rows[1], rows[2], seqlen_k});
+    std::vector<std::int64_t> keys(static_cast<std::size_t>(seqlen_k));
+    for (std::int64_t b = 0; b < rows[0]; ++b)
+      for (std::int64_t h = 0; h < rows[1]; ++h)
+        for (std::int64_t i = 0; i < rows[2]; ++i) {
+          std::iota(keys.begin(), keys.end(), 0);
+          std::shuffle(keys.begin(), keys.end(), rng);
+          std::vector<std::int64_t> list(keys.begin(), keys.begin() + keep);
+          list.push_back(keep > 0 ? list.front() : -1);
+          list.push_back(-1);
+          std::shuffle(list.begin(), list.end(), rng);
+          for (std::int64_t j = 0; j < seqlen_k; ++j) mask.set(host::offset4(mask.view, b, h, i, j), 0.0);
+          for (std::size_t e = 0; e < list.size(); ++e) {
+            indices.set(host::offset4(indices.view, b, h, i, static_cast<std::int64_t>(e)),
+                        static_cast<double>(list[e]));
+            if (list[e] >= 0) mask.set(host::offset4(mask.view, b, h, i, list[e]), 1.0);
+          }
+        }
+  }
+};
 
 }  // namespace flash_dmattn::test

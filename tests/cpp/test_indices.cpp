@@ -1,41 +1,10 @@
 // Key lists (ForwardArgs::indices, BackwardArgs::indices) through the public API on CPU tensors:
 // the same results, byte for byte, as the bool mask they stand for (docs/semantics.md §2), with
 // -1 padding, duplicates, every broadcast of the rows, and a mask beside them; and named errors.
-#include <algorithm>
-#include <numeric>
-
 #include "reference_problem.h"
 
 namespace flash_dmattn::test {
 namespace {
-
-// Lists of `keep` distinct random keys per row of `rows` (.., K = keep + 2): then one key listed
-// twice and one -1, shuffled; and the bool (.., Sk) mask they stand for.
-struct KeyLists {
-  HostTensor indices, mask;
-
-  KeyLists(const Shape& rows, std::int64_t seqlen_k, std::int64_t keep, std::mt19937_64& rng) {
-    indices = HostTensor::empty(DType::int32, {rows[0], rows[1], rows[2], keep + 2});
-    mask = HostTensor::empty(DType::boolean, {rows[0], rows[1], rows[2], seqlen_k});
-    std::vector<std::int64_t> keys(static_cast<std::size_t>(seqlen_k));
-    for (std::int64_t b = 0; b < rows[0]; ++b)
-      for (std::int64_t h = 0; h < rows[1]; ++h)
-        for (std::int64_t i = 0; i < rows[2]; ++i) {
-          std::iota(keys.begin(), keys.end(), 0);
-          std::shuffle(keys.begin(), keys.end(), rng);
-          std::vector<std::int64_t> list(keys.begin(), keys.begin() + keep);
-          list.push_back(keep > 0 ? list.front() : -1);
-          list.push_back(-1);
-          std::shuffle(list.begin(), list.end(), rng);
-          for (std::int64_t j = 0; j < seqlen_k; ++j) mask.set(host::offset4(mask.view, b, h, i, j), 0.0);
-          for (std::size_t e = 0; e < list.size(); ++e) {
-            indices.set(host::offset4(indices.view, b, h, i, static_cast<std::int64_t>(e)),
-                        static_cast<double>(list[e]));
-            if (list[e] >= 0) mask.set(host::offset4(mask.view, b, h, i, list[e]), 1.0);
-          }
-        }
-  }
-};
 
 struct Outputs {
   HostTensor out, lse, dq, dk, dv, dbias;
@@ -103,7 +72,7 @@ TEST(KeyLists, MatchTheMaskTheyStandFor) {
       for (const std::int64_t keep : {std::int64_t(5), std::int64_t(0)}) {
         SCOPED_TRACE(::testing::Message() << "causal " << causal << ", rows " << rows[0] << "x" << rows[1] << "x"
                                           << rows[2] << ", keep " << keep);
-        const KeyLists lists(rows, 13, keep, rng);
+        const RandomKeyLists lists(rows, 13, keep, rng);
         expect_same_bytes(run(p, &lists.mask, nullptr), run(p, nullptr, &lists.indices));
       }
     }
@@ -113,7 +82,7 @@ TEST(KeyLists, MatchTheMaskTheyStandFor) {
 TEST(KeyLists, WithAMaskKeepWhatBothKeep) {
   auto rng = test_rng();
   const RefProblem p = bf16_problem(rng, true);
-  const KeyLists lists(Shape{2, 4, 9}, 13, 6, rng);
+  const RandomKeyLists lists(Shape{2, 4, 9}, 13, 6, rng);
   const HostTensor mask = HostTensor::random(DType::boolean, {2, 2, 9, 13}, rng, 0.6);  // per KV head
   HostTensor both = HostTensor::empty(DType::boolean, {2, 4, 9, 13});
   for (std::int64_t b = 0; b < 2; ++b)

@@ -1,0 +1,177 @@
+// Key indices (ForwardArgs::indices) on the CUDA backend: the per-row bits built from them against
+// a host build, then forward and backward through the public API against the bool mask they stand
+// for, on the gather path both (FLASH_DMATTN_SPARSE_PATH=gather): the same lists, so out, lse and
+// dQ (one writer per element) agree bit for bit, and dK, dV and dBias (atomic reductions, in any
+// order) to rounding. Cases: decode with GQA packing, causal prefill, one list for every row, lists
+// per query head.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "device_tensor.h"
+#include "forward_harness.h"
+#include "cuda/sparse_path.h"
+#include "kernels/common/index_bits.h"
+#include "test_util.h"
+
+namespace flash_dmattn::test {
+namespace {
+
+class IndexBitsBuild : public GpuTest {};
+
+// Random entries, -1, duplicates and values outside [0, Sk) (skipped: the CUDA backend cannot read
+// the values before launch), rows broadcast from one list.
+TEST_F(IndexBitsBuild, SetsTheListedKeysOnly) {
+  auto rng = test_rng();
+  const std::int64_t B = 2, H = 3, Sq = 5, Sk = 77, K = 40;
+  for (const bool shared_rows : {false, true}) {
+    SCOPED_TRACE(shared_rows ? "one list for every row" : "a list per row");
+    HostTensor indices = HostTensor::empty(DType::int32, {B, H, shared_rows ? 1 : Sq, K});
+    std::uniform_int_distribution<int> key(-3, static_cast<int>(Sk) + 2);
+    for (std::int64_t i = 0; i < indices.view.numel(); ++i) indices.set(i, key(rng));
+    const DeviceTensor device = DeviceTensor::upload(indices);
+    kernels::KeyListExtent e;
+    e.batches = B, e.heads = H, e.seqlen_q = static_cast<int>(Sq), e.seqlen_k = static_cast<int>(Sk);
+    e.block_m = 64, e.block_n = 64;
+    DeviceBuffer space(kernels::index_bits_bytes(e));
+    cuda_check(cudaMemset(space.data(), 0xab, space.bytes()), "poison");
+    kernels::TileSummary summary;
+    cuda_check(kernels::build_index_bits(e, index_rows(device.view()), space.data(), stream(), &summary), "build");
+    std::vector<std::uint32_t> bits(space.bytes() / 4);
+    cuda_check(cudaMemcpyAsync(bits.data(), space.data(), space.bytes(), cudaMemcpyDeviceToHost, stream()), "download");
+    cuda_check(cudaStreamSynchronize(stream()), "synchronize");
+    const std::int64_t words = (Sk + 31) / 32;
+    ASSERT_EQ(summary.bits_row_words, words);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          std::vector<std::uint32_t> expected(static_cast<std::size_t>(words), 0u);
+          for (std::int64_t t = 0; t < K; ++t) {
+            const auto j = static_cast<std::int64_t>(indices.get(host::offset4(indices.view, b, h, shared_rows ? 0 : i, t)));
+            if (j >= 0 && j < Sk) expected[static_cast<std::size_t>(j / 32)] |= 1u << (j % 32);
+          }
+          const std::uint32_t* row = bits.data() + b * summary.bits_batch_stride + h * summary.bits_head_stride +
+                                     i * summary.bits_row_stride;
+          for (std::int64_t w = 0; w < words; ++w) {
+            ASSERT_EQ(row[w], expected[static_cast<std::size_t>(w)]) << "b " << b << " h " << h << " row " << i
+                                                                     << " word " << w;
+          }
+        }
+  }
+}
+
+struct IndexCase {
+  const char* name;
+  Sizes n;
+  OperandShape rows;  // the indices' batch, heads and query dims (key: the list)
+  std::int64_t keep;  // distinct keys per list (each list also repeats one and pads one)
+  bool causal;
+};
+
+struct Results {
+  HostTensor out, lse, dq, dk, dv, dbias;
+};
+
+// Forward and backward of p through the public API on the device, with `mask` or `indices`.
+Results run(const RefProblem& p, const HostTensor* mask, const HostTensor* indices, cudaStream_t stream) {
+  const Sizes& n = p.n;
+  const DeviceTensor q = DeviceTensor::upload(p.q), k = DeviceTensor::upload(p.k), v = DeviceTensor::upload(p.v);
+  const DeviceTensor bias = DeviceTensor::upload(*p.bias), dout = DeviceTensor::upload(p.dout);
+  std::optional<DeviceTensor> m, idx;
+  if (mask) m = DeviceTensor::upload(*mask);
+  if (indices) idx = DeviceTensor::upload(*indices);
+  const DeviceTensor out = DeviceTensor::poisoned(HostTensor::empty(p.q.view.dtype, {n.B, n.Sq, n.H, n.D}));
+  const DeviceTensor lse = DeviceTensor::poisoned(HostTensor::empty(DType::float32, {n.B, n.H, n.Sq}));
+  const DeviceTensor dq = DeviceTensor::poisoned(HostTensor::empty(p.q.view.dtype, {n.B, n.Sq, n.H, n.D}));
+  const DeviceTensor dk = DeviceTensor::poisoned(HostTensor::empty(p.q.view.dtype, {n.B, n.Sk, n.Hk, n.D}));
+  const DeviceTensor dv = DeviceTensor::poisoned(HostTensor::empty(p.q.view.dtype, {n.B, n.Sk, n.Hk, n.D}));
+  const DeviceTensor dbias = DeviceTensor::poisoned(*p.bias);
+  ForwardArgs f;
+  f.q = q.view(), f.k = k.view(), f.v = v.view(), f.bias = bias.view(), f.out = out.view(), f.lse = lse.view();
+  if (m) f.mask = m->view();
+  if (idx) f.indices = idx->view();
+  f.options.causal = p.causal;
+  f.options.stream = stream;
+  std::size_t bytes = 0;
+  Status status = forward_workspace_size(f, &bytes);
+  EXPECT_TRUE(status.ok()) << status.message();
+  DeviceBuffer forward_space(bytes);
+  f.workspace = forward_space.workspace();
+  status = forward(f);
+  EXPECT_TRUE(status.ok()) << status.message();
+  BackwardArgs b;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.mask = f.mask, b.indices = f.indices, b.bias = f.bias, b.out = f.out;
+  b.lse = f.lse, b.dout = dout.view(), b.dq = dq.view(), b.dk = dk.view(), b.dv = dv.view(), b.dbias = dbias.view();
+  b.options = f.options;
+  status = backward_workspace_size(b, &bytes);
+  EXPECT_TRUE(status.ok()) << status.message();
+  DeviceBuffer backward_space(bytes);
+  b.workspace = backward_space.workspace();
+  status = backward(b);
+  EXPECT_TRUE(status.ok()) << status.message();
+  cuda_check(cudaStreamSynchronize(stream), "synchronize");
+  return {out.download(), lse.download(), dq.download(), dk.download(), dv.download(), dbias.download()};
+}
+
+void expect_same_bytes(const char* name, const HostTensor& a, const HostTensor& b) {
+  EXPECT_TRUE(a.bytes == b.bytes) << name << " differs between indices and the mask";
+}
+
+// Within 1% of the tensor's largest magnitude: fp32 reductions summed in another order.
+void expect_close(const char* name, const HostTensor& a, const HostTensor& b) {
+  double largest = 0, worst = 0;
+  for (std::int64_t i = 0; i < b.view.numel(); ++i) largest = std::max(largest, std::abs(b.get(i)));
+  for (std::int64_t i = 0; i < b.view.numel(); ++i) worst = std::max(worst, std::abs(a.get(i) - b.get(i)));
+  EXPECT_LE(worst, 1e-2 * largest + 1e-6) << name << ": largest difference " << worst << " of " << largest;
+}
+
+class KeyIndicesCall : public GpuParamTest<IndexCase> {};
+
+TEST_P(KeyIndicesCall, MatchTheMaskTheyStandFor) {
+  const IndexCase& c = GetParam();
+  auto rng = test_rng();
+  RefProblem p = RefProblem::random(c.n, rng, std::nullopt, OperandShape{true, c.n.Hk, false, true}, 0.7,
+                                    DType::bfloat16);
+  p.causal = c.causal;
+  const Shape rows = operand_shape(c.n, c.rows);
+  const RandomKeyLists lists(Shape{rows[0], rows[1], rows[2]}, c.n.Sk, c.keep, rng);
+  // The mask with a row per query: a mask shared by every row has no gather path to compare with.
+  HostTensor mask = HostTensor::empty(DType::boolean, {rows[0], rows[1], c.n.Sq, c.n.Sk});
+  for (std::int64_t b = 0; b < rows[0]; ++b)
+    for (std::int64_t h = 0; h < rows[1]; ++h)
+      for (std::int64_t i = 0; i < c.n.Sq; ++i)
+        for (std::int64_t j = 0; j < c.n.Sk; ++j)
+          mask.set(host::offset4(mask.view, b, h, i, j),
+                   lists.mask.get(host::offset4(lists.mask.view, b, h, rows[2] == 1 ? 0 : i, j)));
+  const char* previous = std::getenv("FLASH_DMATTN_SPARSE_PATH");
+  const std::string saved = previous ? previous : "";
+  setenv("FLASH_DMATTN_SPARSE_PATH", "gather", 1);
+  const Results with_mask = run(p, &mask, nullptr, stream());
+  const Results with_indices = run(p, nullptr, &lists.indices, stream());
+  if (previous) setenv("FLASH_DMATTN_SPARSE_PATH", saved.c_str(), 1); else unsetenv("FLASH_DMATTN_SPARSE_PATH");
+  if (test_stopped()) return;
+  expect_same_bytes("out", with_indices.out, with_mask.out);
+  expect_same_bytes("lse", with_indices.lse, with_mask.lse);
+  expect_same_bytes("dq", with_indices.dq, with_mask.dq);
+  expect_close("dk", with_indices.dk, with_mask.dk);
+  expect_close("dv", with_indices.dv, with_mask.dv);
+  expect_close("dbias", with_indices.dbias, with_mask.dbias);
+}
+
+// Sizes: B, Sq, Sk, H, Hk, D.
+INSTANTIATE_TEST_SUITE_P(
+    Cases, KeyIndicesCall,
+    ::testing::Values(IndexCase{"decode_gqa_packed", {2, 1, 3000, 8, 2, 128}, {true, 2, true, true}, 300, false},
+                      IndexCase{"causal_prefill", {1, 150, 333, 4, 2, 64}, {true, 2, true, true}, 40, true},
+                      IndexCase{"one_list_for_every_row", {1, 70, 257, 4, 1, 64}, {false, 1, false, true}, 33, false},
+                      IndexCase{"lists_per_query_head", {2, 3, 500, 4, 2, 128}, {true, 4, true, true}, 64, true}),
+    [](const ::testing::TestParamInfo<IndexCase>& param) { return std::string(param.param.name); });
+
+}  // namespace
+}  // namespace flash_dmattn::test
