@@ -19,6 +19,7 @@ struct Problem {
   Device device{};
   bool has_mask = false;
   bool has_indices = false;  // key lists per row (ForwardArgs::indices)
+  std::int64_t indices_rows = 0, indices_entries = 0;  // their query dim (1 or Sq) and list length K
   bool has_bias = false;
   bool has_dbias = false;  // backward only
   double scale = 0.0;      // resolved: the default 1/sqrt(D) already applied

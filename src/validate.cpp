@@ -279,6 +279,8 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
     FDMA_CHECK_OK(check_dtype(c, ni, DType::int32, "key indices, -1 pads"));
     FDMA_CHECK_OK(check_broadcast_operand(c, ni, *p, 3));
     p->has_indices = true;
+    p->indices_rows = indices->shape[2];
+    p->indices_entries = indices->shape[3];
   }
   if (bias) {
     const Named nb{"bias", &*bias};

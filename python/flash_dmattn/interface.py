@@ -6,12 +6,14 @@ What happens here, before the custom op (torch_ops.py) runs:
      TypeError or ValueError before any launch, also while torch.compile traces;
   3. broadcasting: a mask dimension of stride 0 (an expand() view) becomes a size-1 dimension,
      which the kernels read through a zero stride: nothing is materialized;
-  4. key indices (attn_indices) become the bool mask they stand for (one scatter), ANDed with
-     attn_mask when both are given.
+  4. key indices (attn_indices) go to the kernels as int32 lists where the backend reads them
+     (_indices_read_directly); otherwise they become the bool mask they stand for (one scatter),
+     ANDed with attn_mask when both are given.
 Autograd, torch.compile and CUDA graphs then see the custom op, which pads head dims that are not
 a multiple of 8 and cuts the results back. docs/python.md has the details.
 """
 import math
+import os
 
 import torch
 
@@ -147,6 +149,19 @@ def _indices_mask(columns: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     width = (seqlen_k + 1 + 15) // 16 * 16
     mask = torch.zeros(*columns.shape[:-1], width, dtype=torch.bool, device=columns.device)
     return mask.scatter_(-1, columns, True)[..., :seqlen_k]
+
+
+def _indices_read_directly(query, attn_mask, attn_indices, deterministic: bool) -> bool:
+    """Whether key lists go to the kernels as lists, rather than as the bool mask they stand for:
+    the CPU reference reads them everywhere; the CUDA backend on its gather path, without a mask
+    beside them, with a list per query row (or one query), outside deterministic mode, up to head
+    dim 128 and unless FLASH_DMATTN_SPARSE_PATH=tile (docs/semantics.md §2)."""
+    if attn_mask is not None:
+        return False
+    if not query.is_cuda:
+        return True
+    return (not deterministic and query.size(-1) <= 128 and (attn_indices.size(2) > 1 or query.size(1) == 1) and
+            os.environ.get("FLASH_DMATTN_SPARSE_PATH") != "tile")
 
 
 def _check_indexed_bias(attn_indices_bias, attn_indices, query) -> None:
@@ -400,8 +415,12 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
 
+    indices = None
     if attn_indices is not None:
         columns = _listed_columns(attn_indices, key.shape[1])
+    if attn_indices is not None and _indices_read_directly(query, attn_mask, attn_indices, bool(deterministic)):
+        indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32)
+    elif attn_indices is not None:
         listed = _indices_mask(columns, key.shape[1])
         if attn_mask is not None:
             attn_mask = _compact_broadcast(attn_mask)
@@ -415,5 +434,5 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         attn_bias = listed_bias if attn_bias is None else attn_bias + listed_bias
     attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
     out, lse = torch_ops.attention(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
-                                   bool(deterministic), prepared)
+                                   bool(deterministic), prepared, indices)
     return (out, lse, None) if return_attn_probs else out

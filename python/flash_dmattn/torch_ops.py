@@ -28,7 +28,7 @@ _HEAD_DIM_MULTIPLE = 8
 # The module reads the tensors themselves (_C.forward_args, _C.backward_args): it is told once
 # which torch dtypes are which.
 _C.register_dtypes({torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                    torch.bool: "bool"})
+                    torch.bool: "bool", torch.int32: "int32"})
 
 # torch's own accessor of the current stream's handle (what torch.compile's generated code calls),
 # about 1 us cheaper than torch.cuda.current_stream(index).cuda_stream, which builds a Stream.
@@ -100,9 +100,9 @@ def _prepared(storage: Optional[torch.Tensor], fingerprint: int, paths: int):
     return _C.PreparedMask(storage.data_ptr(), storage.numel(), fingerprint % 2**64, paths)
 
 
-def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared=None):
+def _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared=None, indices=None):
     """The module's ForwardArgs of padded, aligned q, k, v (and out, lse)."""
-    return _C.forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, _stream(q), prepared)
+    return _C.forward_args(q, k, v, out, lse, mask, indices, bias, scale, causal, softcap, _stream(q), prepared)
 
 
 def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, softcap: float,
             deterministic: bool, prepared: Optional[torch.Tensor] = None, prepared_fingerprint: int = 0,
-            prepared_paths: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+            prepared_paths: int = 0,
+             indices: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward: setup_context sees the forward's inputs alone.
     batch, seqlen_q, heads, head_dim = q.shape
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
@@ -145,7 +146,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     # (The sizes as separate arguments: torch parses them faster than a tuple, by about 0.7 us.)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap,
-                         _prepared(prepared, prepared_fingerprint, prepared_paths))
+                         _prepared(prepared, prepared_fingerprint, prepared_paths), indices)
     _run(_C.forward, _C.forward_workspace_size, args, q.device)
     return _unpadded(out, head_dim), lse
 
@@ -155,7 +156,7 @@ forward = torch.library.custom_op("flash_dmattn::forward", _forward, mutates_arg
 
 @forward.register_fake
 def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None, prepared_fingerprint=0,
-      prepared_paths=0):
+      prepared_paths=0, indices=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -163,8 +164,8 @@ def _(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepar
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float],
              causal: bool, softcap: float, deterministic: bool, prepared: Optional[torch.Tensor],
-             prepared_fingerprint: int, prepared_paths: int,
-             bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             prepared_fingerprint: int, prepared_paths: int, bias_grad: bool,
+             indices: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is empty unless bias_grad (a custom op cannot return None)."""
     head_dim = q.size(-1)
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
@@ -175,7 +176,7 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dout, q, k, v, out = _rows_aligned(dout), _rows_aligned(q), _rows_aligned(k), _rows_aligned(v), _rows_aligned(out)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dbias = _empty_like(bias) if bias_grad else q.new_empty(0)
-    args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, bias, dbias if bias_grad else None, scale,
+    args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, indices, bias, dbias if bias_grad else None, scale,
                             causal, softcap, deterministic, _stream(q),
                             _prepared(prepared, prepared_fingerprint, prepared_paths))
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
@@ -187,17 +188,17 @@ backward = torch.library.custom_op("flash_dmattn::backward", _backward_impl, mut
 
 @backward.register_fake
 def _(dout, q, k, v, mask, bias, out, lse, softmax_scale, causal, softcap, deterministic, prepared,
-      prepared_fingerprint, prepared_paths, bias_grad):
+      prepared_fingerprint, prepared_paths, bias_grad, indices=None):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared, fingerprint, paths = inputs
+    q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared, fingerprint, paths, indices = inputs
     out, lse = output
     # Saved whichever inputs require grad: a call where only the bias does needs them all too. The
     # prepared mask goes to the backward, which then builds neither summary nor lists.
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, prepared)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, prepared, indices)
     ctx.options = (softmax_scale, causal, softcap, deterministic)
     # The preparation was made for the mask at this address; a saved-tensor hook that moves it
     # (save_on_cpu, activation offloading) makes the backward build its own. (Traced graphs,
@@ -208,16 +209,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, run_backward):
-    q, k, v, mask, bias, out, lse, prepared = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, prepared, indices = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
     fingerprint, paths, mask_address = ctx.prepared
     if mask_address is not None and mask.data_ptr() != mask_address:
         prepared, fingerprint, paths = None, 0, 0
     dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, fingerprint, paths,
-                                     bias_grad)
+                                     bias_grad, indices)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
-            dbias if bias_grad else None, None, None, None, None, None, None, None)
+            dbias if bias_grad else None, None, None, None, None, None, None, None, None)
 
 
 def _backward(ctx, dout, _dlse):
@@ -261,7 +262,7 @@ def _plain_eager(tensors) -> bool:
         return False
 
 
-def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None):
+def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, prepared=None, indices=None):
     """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
     and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
 
@@ -275,14 +276,14 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     instead of holding it, unless given a preparation. A mask shared by all queries has a summary
     too small to be worth the extra host work."""
     prepared = (None, 0, 0) if prepared is None else prepared
-    inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared)
-    if not _plain_eager((q, k, v, mask, bias, prepared[0])):
+    inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared, indices)
+    if not _plain_eager((q, k, v, mask, bias, prepared[0], indices)):
         return forward(*inputs)
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                      (bias is not None and bias.requires_grad))) or _forward_ad_active():
         if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda and \
                 os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather":
-            inputs = (*inputs[:9], *prepare(q, k, v, mask, causal))
+            inputs = (*inputs[:9], *prepare(q, k, v, mask, causal), indices)
         return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
 

@@ -264,6 +264,15 @@ std::optional<std::string> indices_cannot_run(const Problem& p, BackendImpl::Pas
   const std::string refusal = "reads key lists (indices) on its gather path only, ";
   const std::string instead = ": pass the bool mask they stand for (the torch front builds it)";
   if (p.has_mask) return refusal + "and not beside a mask yet" + instead;
+  // One list for every query row would be built once per query tile, with Sk keys of room each
+  // (gather_possible refuses a one-row mask for the same reason).
+  if (p.indices_rows == 1 && p.seqlen_q > 1) return refusal + "not one list shared by every query row" + instead;
+  // The bits pass runs a CTA per (batch, head, query row) and counts entries in 32 bits.
+  if (p.batch * p.heads * p.seqlen_q > INT_MAX || p.indices_entries > INT_MAX) {
+    return refusal + "with at most 2^31 - 1 rows over batch x heads x seqlen_q and entries per list, got " +
+           std::to_string(p.batch * p.heads * p.seqlen_q) + " rows and " + std::to_string(p.indices_entries) +
+           " entries" + instead;
+  }
   if (sparse_path() == SparsePath::tile) return refusal + "which " + kSparsePathVariable + "=tile forbids" + instead;
   if (pass == BackendImpl::Pass::forward && !gather_forward_fits(p)) {
     return refusal + "whose forward does not fit this device's shared memory at head dim " +

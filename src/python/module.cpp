@@ -30,10 +30,10 @@ namespace {
 
 fd::DType parse_dtype(const std::string& name) {
   for (fd::DType d : {fd::DType::float16, fd::DType::bfloat16, fd::DType::float32, fd::DType::float64,
-                      fd::DType::boolean}) {
+                      fd::DType::boolean, fd::DType::int32}) {
     if (name == fd::dtype_name(d)) return d;
   }
-  fail("flash_dmattn.View: argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, got '" +
+  fail("flash_dmattn.View: argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, got '" +
        name + "'");
 }
 
@@ -200,13 +200,14 @@ bool rows_aligned(nb::handle t) { return fd::rows_aligned_16(read_tensor(t, "ten
 // The tensors ForwardArgs and BackwardArgs share, read into args.
 template <typename Args>
 void read_shared_tensors(Args& args, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-                         nb::handle mask, nb::handle bias) {
+                         nb::handle mask, nb::handle indices, nb::handle bias) {
   args.q = read_tensor(q, "q");
   args.k = read_tensor(k, "k");
   args.v = read_tensor(v, "v");
   args.out = read_tensor(out, "out");
   args.lse = read_tensor(lse, "lse");
   args.mask = read_optional_tensor(mask, "mask");
+  args.indices = read_optional_tensor(indices, "indices");
   args.bias = read_optional_tensor(bias, "bias");
 }
 
@@ -347,27 +348,27 @@ NB_MODULE(_C, m) {
   // arguments are positional, in the order of the classes' constructors.
   m.def(
       "forward_args",
-      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle mask, nb::handle bias,
-         std::optional<double> softmax_scale, bool causal, double softcap, std::uintptr_t stream,
-         const fd::PreparedMask* prepared_mask) {
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle mask,
+         nb::handle indices, nb::handle bias, std::optional<double> softmax_scale, bool causal, double softcap,
+         std::uintptr_t stream, const fd::PreparedMask* prepared_mask) {
         fd::ForwardArgs args;
-        read_shared_tensors(args, q, k, v, out, lse, mask, bias);
+        read_shared_tensors(args, q, k, v, out, lse, mask, indices, bias);
         args.options = make_options(softmax_scale, causal, softcap, "automatic", stream);
         args.prepared_mask = prepared_mask;
         return args;
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("mask").none(),
-      nb::arg("bias").none(), nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"),
-      nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 12>(),
+      nb::arg("indices").none(), nb::arg("bias").none(), nb::arg("softmax_scale").none(), nb::arg("causal"),
+      nb::arg("softcap"), nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 13>(),
       "ForwardArgs of torch tensors (register_dtypes first)");
   m.def(
       "backward_args",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle dout, nb::handle dq,
-         nb::handle dk, nb::handle dv, nb::handle mask, nb::handle bias, nb::handle dbias,
+         nb::handle dk, nb::handle dv, nb::handle mask, nb::handle indices, nb::handle bias, nb::handle dbias,
          std::optional<double> softmax_scale, bool causal, double softcap, bool deterministic, std::uintptr_t stream,
          const fd::PreparedMask* prepared_mask) {
         fd::BackwardArgs args;
-        read_shared_tensors(args, q, k, v, out, lse, mask, bias);
+        read_shared_tensors(args, q, k, v, out, lse, mask, indices, bias);
         args.dout = read_tensor(dout, "dout");
         args.dq = read_tensor(dq, "dq");
         args.dk = read_tensor(dk, "dk");
@@ -379,9 +380,9 @@ NB_MODULE(_C, m) {
         return args;
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"),
-      nb::arg("dk"), nb::arg("dv"), nb::arg("mask").none(), nb::arg("bias").none(), nb::arg("dbias").none(),
-      nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"), nb::arg("deterministic"),
-      nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 18>(),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("mask").none(), nb::arg("indices").none(), nb::arg("bias").none(),
+      nb::arg("dbias").none(), nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"),
+      nb::arg("deterministic"), nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 19>(),
       "BackwardArgs of torch tensors (register_dtypes first)");
 
   m.def("rows_aligned", &rows_aligned, nb::arg("tensor"),

@@ -55,7 +55,7 @@ def test_view_round_trip():
 
 @pytest.mark.parametrize("args, message", [
     ((0, "int8", (1,), (1,)),
-     "argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, got 'int8'"),
+     "argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, got 'int8'"),
     ((0, "float16", (1, 2), (1,)),
      "arguments 'shape' and 'strides': expected the same length, at most 4, got 2 and 1"),
     ((0, "float16", (1,) * 5, (1,) * 5), "expected the same length, at most 4, got 5 and 5"),

@@ -46,7 +46,11 @@ def outputs_and_grads(case, dout, **options):
 @pytest.mark.parametrize("rows_shape", [(2, 4, 9, 5), (1, 2, 9, 5), (2, 1, 1, 5), (1, 4, 9, 0)],
                          ids=["per-head-row", "per-kv-head", "one-row-per-batch", "empty-lists"])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_indices_match_the_mask_they_stand_for(device, rows_shape, is_causal):
+def test_indices_match_the_mask_they_stand_for(device, rows_shape, is_causal, monkeypatch):
+    # On CUDA the lists go to the gather path as they are: the mask takes it too, so that both
+    # build the same key lists. dK, dV and dBias are then summed by atomics, in any order.
+    if device == "cuda":
+        monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
     generator = torch.Generator().manual_seed(1)
     case = make_case(2, 9, 13, 4, 2, 16, dtype=torch.bfloat16, bias_shape=(2, 2, 1, 13))
     keep = rows_shape[3]
@@ -57,7 +61,10 @@ def test_indices_match_the_mask_they_stand_for(device, rows_shape, is_causal):
                                   is_causal=is_causal)
     with_indices = outputs_and_grads(case, dout.to(device), is_causal=is_causal, attn_indices=indices.to(device))
     for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), with_mask, with_indices):
-        assert torch.equal(a, b), name
+        if device == "cuda" and name in ("dk", "dv", "dbias"):
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=1e-2 * float(a.float().abs().max()) + 1e-6), name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_duplicates_and_padding_count_as_the_set_of_keys():

@@ -336,10 +336,10 @@ def test_the_module_reads_torch_tensors_directly():
     with pytest.raises(ValueError, match="argument 'tensor': expected dtype float16, bfloat16, float32 or bool"):
         _C.rows_aligned(t.to(torch.int8))
     with pytest.raises(ValueError, match="argument 'q': expected a CPU or CUDA tensor"):
-        _C.forward_args(t.to("meta"), t, t, t, t, None, None, None, False, 0.0, 0, None)
+        _C.forward_args(t.to("meta"), t, t, t, t, None, None, None, None, False, 0.0, 0, None)
     q, k, v = q_k_v()
     out, lse = torch.empty_like(q), torch.empty(2, 4, 5)
-    args = _C.forward_args(q, k, v, out, lse, None, None, None, False, 0.0, 0, None)
+    args = _C.forward_args(q, k, v, out, lse, None, None, None, None, False, 0.0, 0, None)
     torch_ops._run(_C.forward, _C.forward_workspace_size, args, q.device)
     expected, expected_lse, _ = flash_dmattn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
