@@ -233,6 +233,36 @@ class OursGather(OursPrepared):
         return "the gather path needs a mask" if case.mask == "none" else None
 
 
+class OursIndices(Ours):
+    """ours given the case's mask as key lists (attn_indices, int32, -1 padded to the longest row),
+    built once outside the timing, as a user with top-k indices holds them. Without a mask beside
+    them the lists go to the gather path as they are, on CUDA: docs/semantics.md §2. The front
+    checks their values on every call, which on CUDA waits for the GPU once per call."""
+    name = "ours_indices"
+    tiles = staticmethod(gather_tiles)
+
+    def unsupported(self, case, device):
+        return "key lists stand for a mask" if case.mask == "none" else None
+
+    def runner(self, problem, grad):
+        from ..interface import flash_dmattn_func
+        runner = super().runner(problem, grad)
+        causal = problem.case.causal
+        mask = problem.mask
+        kept = mask.sum(-1, dtype=torch.int32)
+        width = max(1, int(kept.max()))
+        # Each row's kept keys first (a stable sort keeps them ascending), then -1 past its count.
+        order = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+        indices = torch.where(torch.arange(width, device=mask.device) < kept.unsqueeze(-1), order, -1).to(torch.int32)
+        runner.notes.append(f"key lists of {width}")
+
+        def call(q, k, v, bias, mask):
+            return flash_dmattn_func(q, k, v, attn_indices=indices, attn_bias=bias, is_causal=causal)
+
+        runner.call = call
+        return runner
+
+
 class _Sequences:
     """A case with lengths in the padded layout of problem.py (sequence b in the last lengths[b]
     positions) and the per-sequence layout of the varlen and KV-cache calls (from position 0)."""
@@ -564,5 +594,5 @@ class Flex(Implementation):
         return runner
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursPrepared(), OursGather(), OursVarlen(), OursPaged(), SdpaEfficient(),
-                                                SdpaCudnn(), SdpaFlash(), Flex())}
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursPrepared(), OursGather(), OursIndices(), OursVarlen(),
+                                                OursPaged(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}
