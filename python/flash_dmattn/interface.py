@@ -151,16 +151,28 @@ def _indices_mask(columns: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     return mask.scatter_(-1, columns, True)[..., :seqlen_k]
 
 
-def _indices_read_directly(query, attn_mask, attn_indices, deterministic: bool) -> bool:
+# Up to which share of the keys (list length K over Sk) lists go to the CUDA gather path as they
+# are: where the gather path measured faster than the tile path (src/cuda/sparse_path.h,
+# kGatherForwardShare and kGatherDecodeShare). K only bounds a query tile's union from below: rows
+# that choose their keys independently can make it much larger.
+_DIRECT_SHARE, _DIRECT_DECODE_SHARE = 0.5, 0.25
+
+
+def _indices_read_directly(query, key, attn_mask, attn_indices, deterministic: bool) -> bool:
     """Whether key lists go to the kernels as lists, rather than as the bool mask they stand for:
     the CPU reference reads them everywhere; the CUDA backend on its gather path, without a mask
     beside them, with a list per query row (or one query), outside deterministic mode, up to head
-    dim 128 and unless FLASH_DMATTN_SPARSE_PATH=tile (docs/semantics.md §2)."""
+    dim 128, at most 2^31 - 1 rows, unless FLASH_DMATTN_SPARSE_PATH=tile, and where the lists are
+    short enough for the gather path to pay (docs/semantics.md §2). Decided from shapes alone, once
+    per forward: the backward follows the forward's choice."""
     if attn_mask is not None:
         return False
     if not query.is_cuda:
         return True
-    return (not deterministic and query.size(-1) <= 128 and (attn_indices.size(2) > 1 or query.size(1) == 1) and
+    batch, seqlen_q, heads, head_dim = query.shape
+    share = _DIRECT_DECODE_SHARE if seqlen_q == 1 else _DIRECT_SHARE
+    return (not deterministic and head_dim <= 128 and (attn_indices.size(2) > 1 or seqlen_q == 1) and
+            batch * heads * seqlen_q < 2**31 and attn_indices.size(3) <= share * key.size(1) and
             os.environ.get("FLASH_DMATTN_SPARSE_PATH") != "tile")
 
 
@@ -418,8 +430,9 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     indices = None
     if attn_indices is not None:
         columns = _listed_columns(attn_indices, key.shape[1])
-    if attn_indices is not None and _indices_read_directly(query, attn_mask, attn_indices, bool(deterministic)):
-        indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32)
+    if attn_indices is not None and _indices_read_directly(query, key, attn_mask, attn_indices, bool(deterministic)):
+        # (contiguous: the kernels read the lists' last dim with stride 1)
+        indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32).contiguous()
     elif attn_indices is not None:
         listed = _indices_mask(columns, key.shape[1])
         if attn_mask is not None:

@@ -42,6 +42,19 @@ def outputs_and_grads(case, dout, **options):
     return [out, *grads]
 
 
+def test_lists_of_any_layout_are_read():
+    # Lists whose last dim is not contiguous (built as (.., K, Sq), then transposed) give what the
+    # same lists laid out plainly give.
+    generator = torch.Generator().manual_seed(3)
+    case = make_case(1, 9, 13, 4, 2, 16, dtype=torch.bfloat16)
+    indices = random_indices((1, 2, 9, 5), 13, 5, generator)
+    transposed = indices.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert transposed.stride(-1) != 1
+    a = flash_dmattn_func(case["q"], case["k"], case["v"], attn_indices=indices)
+    b = flash_dmattn_func(case["q"], case["k"], case["v"], attn_indices=transposed)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows_shape", [(2, 4, 9, 5), (1, 2, 9, 5), (2, 1, 1, 5), (1, 4, 9, 0)],
                          ids=["per-head-row", "per-kv-head", "one-row-per-batch", "empty-lists"])

@@ -249,12 +249,18 @@ class OursIndices(Ours):
         runner = super().runner(problem, grad)
         causal = problem.case.causal
         mask = problem.mask
+        if mask is None:
+            raise NotImplementedError("no mask to turn into key lists (every key kept)")
+        if mask.size(2) == 1 and problem.q.size(1) > 1:
+            raise NotImplementedError("one list for every query row: the front scatters it back into the mask")
+        if mask.numel() > 2**28:  # the sort below takes about 10 bytes per mask element
+            raise NotImplementedError(f"key lists of a {mask.numel()}-element mask: more memory than this bench spends")
         kept = mask.sum(-1, dtype=torch.int32)
         width = max(1, int(kept.max()))
         # Each row's kept keys first (a stable sort keeps them ascending), then -1 past its count.
         order = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
         indices = torch.where(torch.arange(width, device=mask.device) < kept.unsqueeze(-1), order, -1).to(torch.int32)
-        runner.notes.append(f"key lists of {width}")
+        runner.notes.append(f"key lists of {width}; each call converts and checks them (a GPU wait)")
 
         def call(q, k, v, bias, mask):
             return flash_dmattn_func(q, k, v, attn_indices=indices, attn_bias=bias, is_causal=causal)
