@@ -205,6 +205,17 @@ def test_opcheck_backward():
                                                False, None, 0, 0, True))
 
 
+def test_opcheck_with_key_indices():
+    q, k, v, _, bias = _op_args(True)
+    indices = torch.tensor([[0, 3, -1], [6, 2, 2]], dtype=torch.int32).view(1, 2, 1, 3).expand(2, 2, 5, 3).contiguous()
+    torch.library.opcheck(torch_ops.forward, (q, k, v, None, bias, 0.25, True, 0.0, False, None, 0, 0, indices))
+    out, lse = torch_ops.forward(q.detach(), k.detach(), v.detach(), None, bias.detach(), 0.25, True, 0.0, False,
+                                 None, 0, 0, indices)
+    torch.library.opcheck(torch_ops.backward, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), None,
+                                               bias.detach(), out, lse, 0.25, True, 0.0, False, None, 0, 0, True,
+                                               indices))
+
+
 def prepared_mask_case(device="cpu"):
     case = make_case(2, 9, 11, 4, 2, 16, device=device, mask_shape=(2, 2, 9, 11), bias_shape=(2, 2, 1, 11))
     leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
