@@ -112,9 +112,9 @@ def _check_mask_bias_types(query, attn_mask, attn_bias) -> None:
         _check_bias_dtype("attn_bias", attn_bias, query)
 
 
-def _check_indices(attn_indices, query, key) -> None:
+def _check_indices(attn_indices, query, key, check_values: bool) -> None:
     """Shape and dtype of attn_indices (its device is checked with the others); its values where
-    reading them is allowed (eager)."""
+    asked for (check_indices) and reading them is allowed (eager)."""
     if attn_indices.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "attn_indices", f"expected dtype torch.int32 or torch.int64, got {attn_indices.dtype}")
     batch, seqlen_q, heads, _ = query.shape
@@ -125,7 +125,7 @@ def _check_indices(attn_indices, query, key) -> None:
     # Reading the values synchronizes with the GPU: not while torch.compile traces (checked first:
     # dynamo cannot fold the capture query) or a CUDA graph is captured, where out-of-range entries
     # are ignored as the docstring says.
-    if (attn_indices.numel() and not torch.compiler.is_compiling() and
+    if (check_values and attn_indices.numel() and not torch.compiler.is_compiling() and
             not (attn_indices.is_cuda and torch.cuda.is_current_stream_capturing())):
         bad = (attn_indices < -1) | (attn_indices >= seqlen_k)
         if bool(bad.any()):
@@ -379,7 +379,7 @@ def prepare_mask(query, key, value, attn_mask, is_causal=None) -> PreparedMask:
 
 def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None,
                       softcap=None, deterministic=None, return_attn_probs=None, attn_indices=None,
-                      attn_indices_bias=None):
+                      attn_indices_bias=None, check_indices=True):
     """Attention with a dynamic boolean mask and an additive bias (docs/semantics.md).
 
     Args:
@@ -406,6 +406,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             float32: the bias of each listed key (DeepSeek-style compact scores), added to
             attn_bias where both are given; a key listed twice gets the sum of its values, padding
             entries are not read. Its gradient comes back in its own shape (0 at padding).
+        check_indices: default True; False skips reading attn_indices' values, so that a CUDA call
+            does not wait for the GPU (decode): entries outside [0, Sk) then count as padding.
 
     Returns:
         out (B, Sq, H, D) in query's dtype, or the tuple above.
@@ -420,20 +422,24 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
         _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
-        _check_indices(attn_indices, query, key)
+        _check_indices(attn_indices, query, key, bool(check_indices))
     if attn_indices_bias is not None:
         _check_indexed_bias(attn_indices_bias, attn_indices, query)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
 
-    indices = None
-    if attn_indices is not None:
-        columns = _listed_columns(attn_indices, key.shape[1])
-    if attn_indices is not None and _indices_read_directly(query, key, attn_mask, attn_indices, bool(deterministic)):
-        # (contiguous: the kernels read the lists' last dim with stride 1)
-        indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32).contiguous()
+    indices = columns = None
+    direct = attn_indices is not None and _indices_read_directly(query, key, attn_mask, attn_indices,
+                                                                 bool(deterministic))
+    if direct and query.is_cuda and attn_indices.dtype == torch.int32:
+        # The CUDA kernels skip entries outside [0, Sk) themselves: no launches to convert them.
+        indices = attn_indices.contiguous()  # (the kernels read the lists' last dim with stride 1)
     elif attn_indices is not None:
+        columns = _listed_columns(attn_indices, key.shape[1])
+    if direct and indices is None:  # (int64 values past 2^31 must not wrap into range)
+        indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32).contiguous()
+    elif attn_indices is not None and not direct:
         listed = _indices_mask(columns, key.shape[1])
         if attn_mask is not None:
             attn_mask = _compact_broadcast(attn_mask)
@@ -441,6 +447,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             attn_mask, listed = _same_heads(attn_mask, listed, query.shape[2] // key.shape[2])
         attn_mask = listed if attn_mask is None else attn_mask & listed
     if attn_indices_bias is not None:
+        if columns is None:
+            columns = _listed_columns(attn_indices, key.shape[1])
         listed_bias = _indexed_bias(attn_indices_bias, columns, key.shape[1])
         if attn_bias is not None:
             attn_bias, listed_bias = _same_heads(attn_bias, listed_bias, query.shape[2] // key.shape[2])

@@ -129,6 +129,23 @@ def test_bad_indices_are_named(indices, error, message):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_unchecked_entries_out_of_range_count_as_padding(device, dtype):
+    """check_indices=False reads no values (no wait for the GPU): out-of-range entries, even ones
+    past 2^31 in int64, count as -1 on every path."""
+    case = make_case(1, 4, 9, 2, 1, 16, dtype=torch.float16, device=device)
+    far = 2**32 + 3 if dtype == torch.int64 else -5
+    bad = torch.tensor([[[[0, 9, 4], [far, 2, -1], [8, 100, 1], [5, 6, 7]]]], dtype=dtype, device=device)
+    padded = torch.where((bad >= 0) & (bad < 9), bad, -1)
+    for single in (False, True):  # lists per row (direct on CUDA), and one query (decode)
+        q = case["q"][:, :1] if single else case["q"]
+        rows = slice(0, 1) if single else slice(None)
+        got = flash_dmattn_func(q, case["k"], case["v"], attn_indices=bad[:, :, rows], check_indices=False)
+        want = flash_dmattn_func(q, case["k"], case["v"], attn_indices=padded[:, :, rows])
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_traces_the_lists(device):
     """Under torch.compile the values are not read (that would synchronize); the result is the same."""
     case = make_case(1, 8, 10, 2, 1, 16, dtype=torch.bfloat16, device=device)
