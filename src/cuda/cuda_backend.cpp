@@ -302,8 +302,8 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const bool mask_per_query_head = chooser && chooser->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
   if (a.indices) {
-    // Key indices go the gather path only (cannot_run refuses what it cannot take): their rows'
-    // bits, then the lists built from them as from a mask's.
+    // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
+    // straight from the entries for one query row, else through per-row bits (index_bits.h).
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.indices, p);
@@ -671,17 +671,18 @@ class CudaSm80Backend final : public BackendImpl {
           reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes) + align_up(plan.partial_out_bytes));
     }
     if (a.indices) {
-      const cudaError_t e =
-          kernels::build_index_bits(plan.lists, index_rows(*a.indices), workspace, stream, &params.summary);
-      if (e != cudaSuccess) return cuda_failure("the index bits launch", e);
+      const cudaError_t e = kernels::build_index_lists(plan.lists, index_rows(*a.indices), workspace,
+                                                       workspace + plan.lists_offset(), stream, &params.summary,
+                                                       &params.lists);
+      if (e != cudaSuccess) return cuda_failure("the key lists from indices", e);
     } else if (a.mask) {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
-    }
-    if (plan.gather) {
-      const cudaError_t e = key_lists(plan.lists, list_source(a.mask, a.indices), p, a.prepared_mask, params.summary,
-                                      workspace + plan.lists_offset(), stream, &params.lists);
-      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+      if (plan.gather) {
+        const cudaError_t l = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.summary,
+                                        workspace + plan.lists_offset(), stream, &params.lists);
+        if (l != cudaSuccess) return cuda_failure("the key-list launch", l);
+      }
     }
     const bool sm90a = plan.family == KernelFamily::sm90a;
     cudaError_t e = sm90a ? kernels::sm90::forward(params, stream) : kernels::sm80::forward(params, stream);
@@ -706,19 +707,20 @@ class CudaSm80Backend final : public BackendImpl {
     params.dv_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset() + align_up(plan.dkv_accum_bytes));
 
     if (a.indices) {
-      if (plan.gather) {  // (no gather on an empty problem: nothing reads the bits)
-        const cudaError_t e =
-            kernels::build_index_bits(plan.lists, index_rows(*a.indices), workspace, stream, &params.fwd.summary);
-        if (e != cudaSuccess) return cuda_failure("the index bits launch", e);
+      if (plan.gather) {  // (no gather on an empty problem: nothing reads the lists)
+        const cudaError_t e = kernels::build_index_lists(plan.lists, index_rows(*a.indices), workspace,
+                                                         workspace + plan.lists_offset(), stream, &params.fwd.summary,
+                                                         &params.fwd.lists);
+        if (e != cudaSuccess) return cuda_failure("the key lists from indices", e);
       }
     } else if (a.mask) {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.fwd.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
-    }
-    if (plan.gather) {
-      const cudaError_t e = key_lists(plan.lists, list_source(a.mask, a.indices), p, a.prepared_mask,
-                                      params.fwd.summary, workspace + plan.lists_offset(), stream, &params.fwd.lists);
-      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+      if (plan.gather) {
+        const cudaError_t l = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.fwd.summary,
+                                        workspace + plan.lists_offset(), stream, &params.fwd.lists);
+        if (l != cudaSuccess) return cuda_failure("the key-list launch", l);
+      }
     }
     // One memset zeroes every accumulator (each memset costs the host 6-15 us, about a launch).
     const std::size_t accumulators = plan.accumulators_offset();

@@ -1,9 +1,9 @@
-// Key indices (ForwardArgs::indices) on the CUDA backend: the per-row bits built from them against
-// a host build, then forward and backward through the public API against the bool mask they stand
+// Key indices (ForwardArgs::indices) on the CUDA backend: the key lists built from them against a
+// host build, then forward and backward through the public API against the bool mask they stand
 // for, on the gather path both (FLASH_DMATTN_SPARSE_PATH=gather): the same lists, so out, lse and
 // dQ (one writer per element) agree bit for bit, and dK, dV and dBias (atomic reductions, in any
-// order) to rounding. Cases: decode with GQA packing, causal prefill, one list for every row, lists
-// per query head.
+// order) to rounding. Cases: decode (lists built straight from the entries) with GQA packing, causal,
+// empty lists; causal prefill, one list for every row, lists per query head.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,44 +27,75 @@ namespace {
 class IndexBitsBuild : public GpuTest {};
 
 // Random entries, -1, duplicates and values outside [0, Sk) (skipped: the CUDA backend cannot read
-// the values before launch), rows broadcast from one list.
-TEST_F(IndexBitsBuild, SetsTheListedKeysOnly) {
+// the values before launch), rows broadcast from one list, causal or not: the lists built from
+// them against a host build of what build_key_lists makes of a mask (each query tile's union of
+// keys ascending, each row's bits at them). One query row takes the direct build, more the bits.
+TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
   auto rng = test_rng();
-  const std::int64_t B = 2, H = 3, Sq = 5, Sk = 77, K = 40;
-  for (const bool shared_rows : {false, true}) {
-    SCOPED_TRACE(shared_rows ? "one list for every row" : "a list per row");
-    HostTensor indices = HostTensor::empty(DType::int32, {B, H, shared_rows ? 1 : Sq, K});
-    std::uniform_int_distribution<int> key(-3, static_cast<int>(Sk) + 2);
-    for (std::int64_t i = 0; i < indices.view.numel(); ++i) indices.set(i, key(rng));
-    const DeviceTensor device = DeviceTensor::upload(indices);
-    kernels::KeyListExtent e;
-    e.batches = B, e.heads = H, e.seqlen_q = static_cast<int>(Sq), e.seqlen_k = static_cast<int>(Sk);
-    e.block_m = 64, e.block_n = 64;
-    DeviceBuffer space(kernels::index_bits_bytes(e));
-    cuda_check(cudaMemset(space.data(), 0xab, space.bytes()), "poison");
-    kernels::TileSummary summary;
-    cuda_check(kernels::build_index_bits(e, index_rows(device.view()), space.data(), stream(), &summary), "build");
-    std::vector<std::uint32_t> bits(space.bytes() / 4);
-    cuda_check(cudaMemcpyAsync(bits.data(), space.data(), space.bytes(), cudaMemcpyDeviceToHost, stream()), "download");
-    cuda_check(cudaStreamSynchronize(stream()), "synchronize");
-    const std::int64_t words = (Sk + 31) / 32;
-    ASSERT_EQ(summary.bits_row_words, words);
-    for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t i = 0; i < Sq; ++i) {
-          std::vector<std::uint32_t> expected(static_cast<std::size_t>(words), 0u);
-          for (std::int64_t t = 0; t < K; ++t) {
-            const auto j = static_cast<std::int64_t>(indices.get(host::offset4(indices.view, b, h, shared_rows ? 0 : i, t)));
-            if (j >= 0 && j < Sk) expected[static_cast<std::size_t>(j / 32)] |= 1u << (j % 32);
-          }
-          const std::uint32_t* row = bits.data() + b * summary.bits_batch_stride + h * summary.bits_head_stride +
-                                     i * summary.bits_row_stride;
-          for (std::int64_t w = 0; w < words; ++w) {
-            ASSERT_EQ(row[w], expected[static_cast<std::size_t>(w)]) << "b " << b << " h " << h << " row " << i
-                                                                     << " word " << w;
-          }
-        }
-  }
+  const std::int64_t B = 2, H = 3, Sk = 77, K = 40;
+  for (const std::int64_t Sq : {1, 5, 70})
+    for (const bool shared_rows : {false, true})
+      for (const bool causal : {false, true}) {
+        if (shared_rows && Sq == 1) continue;
+        SCOPED_TRACE("Sq " + std::to_string(Sq) + (shared_rows ? ", one list for every row" : ", a list per row") +
+                     (causal ? ", causal" : ""));
+        HostTensor indices = HostTensor::empty(DType::int32, {B, H, shared_rows ? 1 : Sq, K});
+        std::uniform_int_distribution<int> key(-3, static_cast<int>(Sk) + 2);
+        for (std::int64_t i = 0; i < indices.view.numel(); ++i) indices.set(i, key(rng));
+        const DeviceTensor device = DeviceTensor::upload(indices);
+        kernels::KeyListExtent e;
+        e.batches = B, e.heads = H, e.seqlen_q = static_cast<int>(Sq), e.seqlen_k = static_cast<int>(Sk);
+        e.block_m = 64, e.block_n = 64, e.causal = causal, e.diagonal = static_cast<int>(Sk - Sq);
+        DeviceBuffer bits(std::max<std::size_t>(kernels::index_bits_bytes(e), 1));
+        DeviceBuffer memory(kernels::key_lists_bytes(e));
+        cuda_check(cudaMemset(memory.data(), 0xab, memory.bytes()), "poison");
+        kernels::TileSummary summary;
+        kernels::KeyLists lists;
+        cuda_check(kernels::build_index_lists(e, index_rows(device.view()), bits.data(), memory.data(), stream(),
+                                              &summary, &lists),
+                   "build");
+        std::vector<std::uint32_t> words(memory.bytes() / 4);
+        cuda_check(cudaMemcpyAsync(words.data(), memory.data(), memory.bytes(), cudaMemcpyDeviceToHost, stream()),
+                   "download");
+        cuda_check(cudaStreamSynchronize(stream()), "synchronize");
+        auto at = [&](const void* p) { return static_cast<std::size_t>(static_cast<const char*>(p) -
+                                                                       static_cast<const char*>(memory.data())) / 4; };
+        const int words_per_chunk_row = e.block_n / 32;
+        for (std::int64_t b = 0; b < B; ++b)
+          for (std::int64_t h = 0; h < H; ++h)
+            for (std::int64_t m = 0; m < e.query_tiles(); ++m) {
+              const std::int64_t list = (b * H + h) * e.query_tiles() + m;
+              const std::int64_t m_end = std::min<std::int64_t>((m + 1) * e.block_m, Sq);
+              // Row i keeps key j iff its list names j, and j <= i + diagonal where causal.
+              auto kept = [&](std::int64_t i, std::int64_t j) {
+                if (causal && j > i + e.diagonal) return false;
+                for (std::int64_t t = 0; t < K; ++t) {
+                  if (indices.get(host::offset4(indices.view, b, h, shared_rows ? 0 : i, t)) == double(j)) return true;
+                }
+                return false;
+              };
+              std::vector<int> expected;
+              for (std::int64_t j = 0; j < Sk; ++j)
+                for (std::int64_t i = m * e.block_m; i < m_end; ++i)
+                  if (kept(i, j)) {
+                    expected.push_back(static_cast<int>(j));
+                    break;
+                  }
+              const int count = static_cast<int>(words[at(lists.counts) + list]);
+              ASSERT_EQ(count, static_cast<int>(expected.size())) << "list " << list;
+              const std::size_t keys = at(lists.keys) + static_cast<std::size_t>(list * lists.capacity);
+              for (int t = 0; t < count; ++t) ASSERT_EQ(static_cast<int>(words[keys + t]), expected[t]) << "list " << list;
+              const std::size_t row_bits = at(lists.row_bits) + static_cast<std::size_t>(list * lists.row_bits_stride);
+              for (std::int64_t i = m * e.block_m; i < m_end; ++i)
+                for (int t = 0; t < count; ++t) {
+                  const int q = t / 32, r = static_cast<int>(i - m * e.block_m);
+                  const std::uint32_t word =
+                      words[row_bits + (std::size_t(q / words_per_chunk_row) * e.block_m + r) * words_per_chunk_row +
+                            q % words_per_chunk_row];
+                  ASSERT_EQ(((word >> (t % 32)) & 1u) != 0, kept(i, expected[t])) << "row " << i << " position " << t;
+                }
+            }
+      }
 }
 
 struct IndexCase {
@@ -234,7 +265,10 @@ INSTANTIATE_TEST_SUITE_P(
                       IndexCase{"causal_prefill", {1, 150, 333, 4, 2, 64}, {true, 2, true, true}, 40, true},
                       IndexCase{"decode_one_list_for_all", {2, 1, 700, 8, 2, 64}, {false, 1, false, true}, 50, false},
                       IndexCase{"empty_lists", {1, 20, 300, 4, 2, 64}, {true, 2, true, true}, 0, true},
-                      IndexCase{"lists_per_query_head", {2, 3, 500, 4, 2, 128}, {true, 4, true, true}, 64, true}),
+                      IndexCase{"lists_per_query_head", {2, 3, 500, 4, 2, 128}, {true, 4, true, true}, 64, true},
+                      IndexCase{"decode_causal_per_query_head", {3, 1, 1025, 4, 1, 64}, {true, 4, true, true}, 200,
+                                true},
+                      IndexCase{"decode_empty_lists", {1, 1, 300, 4, 2, 128}, {true, 2, true, true}, 0, false}),
     [](const ::testing::TestParamInfo<IndexCase>& param) { return std::string(param.param.name); });
 
 }  // namespace

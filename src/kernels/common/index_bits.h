@@ -1,5 +1,6 @@
-// Per-row key bits from key indices (ForwardArgs::indices), in the tile summary's bit layout, so
-// that build_key_lists (key_lists.h) builds the gather path's lists from them as from a mask.
+// The gather path's key lists (key_lists.h) from key indices (ForwardArgs::indices). A call of one
+// query row (decode) gets its lists straight from its entries; any other goes through per-row key
+// bits in the tile summary's bit layout, from which build_key_lists builds them as from a mask.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,14 +21,16 @@ struct IndexRows {
   int entries = 0;  // K, the list length
 };
 
-// Bytes of workspace the bits of `extent` take: a row of Sk bits per query row, per (batch, head)
-// of the extent (its batches and heads are the indices').
+// Bytes of workspace the per-row bits of `extent` take (a row of Sk bits per query row, per
+// (batch, head) of the extent: its batches and heads are the indices'); 0 where the lists are
+// built straight from the entries.
 std::size_t index_bits_bytes(const KeyListExtent& extent);
 
-// Launches on `stream` a pass that writes into `workspace` every row's bits (key j kept iff some
-// entry of its list is j; a key listed twice counts once) and describes them in *summary: bits
-// only, no tile classes (the gather path reads no classes).
-cudaError_t build_index_bits(const KeyListExtent& extent, const IndexRows& indices, void* workspace,
-                             cudaStream_t stream, TileSummary* summary);
+// Launches on `stream` the build of the extent's lists into `lists_memory` (key_lists_bytes) from
+// `indices` (key j kept in a row iff some entry of its list is j; a key listed twice counts once),
+// through the bits in `bits_workspace` (index_bits_bytes) where needed, and describes them in
+// *lists. *summary describes the bits (or nothing): the gather kernels read no tile classes.
+cudaError_t build_index_lists(const KeyListExtent& extent, const IndexRows& indices, void* bits_workspace,
+                              void* lists_memory, cudaStream_t stream, TileSummary* summary, KeyLists* lists);
 
 }  // namespace flash_dmattn::kernels
