@@ -237,16 +237,16 @@ def row(impl, mode, ms, prep=None, status="ok", **extra):
 
 
 def test_speedups_and_table():
-    rows = [row("ours", "fwd", 2.0), row("flex", "fwd", 1.5, prep=5.5, notes=["gqa: enable_gqa"]),
+    rows = [row("ours", "fwd", 2.0, gpu_ms=0.8), row("flex", "fwd", 1.5, prep=5.5, notes=["gqa: enable_gqa"]),
             row("sdpa_cudnn", "fwd", None, status="skipped (no cuDNN)")]
     report.add_speedups(rows)
     assert [r["vs_ours"] for r in rows] == [1.0, 3.5, None]
     lines = report.format_table(rows).splitlines()
     assert lines[0] == "training: B2 H16/4 Q8192 K8192 D128 C top2048"
     header = lines[1].split()
-    assert header[:5] == ["impl", "mode", "ms", "prep", "ms"]
-    assert lines[2].split()[:6] == ["ours", "fwd", "2.000", "-", "2.000", "1.00x"]
-    assert lines[3].split()[:6] == ["flex", "fwd", "1.500", "5.500", "7.000", "3.50x"]
+    assert header[:7] == ["impl", "mode", "ms", "gpu", "ms", "prep", "ms"]
+    assert lines[2].split()[:7] == ["ours", "fwd", "2.000", "0.800", "-", "2.000", "1.00x"]
+    assert lines[3].split()[:7] == ["flex", "fwd", "1.500", "-", "5.500", "7.000", "3.50x"]
     assert lines[3].endswith("gqa: enable_gqa") and lines[4].endswith("skipped (no cuDNN)")
     # Columns line up: every value ends where its header ends.
     assert lines[2].index("2.000") + 5 == lines[1].index(" ms") + 3
@@ -421,8 +421,40 @@ def test_rotation_and_median_timing(monkeypatch):
     settings = timing.Settings(warmup=2, min_reps=3, max_reps=4, budget_ms=1e9)
     result = timing.measure(clock, lambda i: calls.append(i) or i, lambda state: None, copies=3, flush=False,
                             settings=settings)
-    assert result.reps == 4 and result.peak_bytes is None and result.ms >= 0
+    assert result.reps == 4 and result.peak_bytes is None and result.ms >= 0 and result.queued_ms is None
     assert calls == [0, 1, 0, 1, 2, 0]   # warm-up, then the timed calls, rotating over the copies
+
+
+def test_queued_timing_retries_overtaken_calls_with_longer_sleeps():
+    pytest.importorskip("torch")
+    from flash_dmattn.bench import timing
+
+    class FakeClock:
+        """Overtaken (None) unless the sleep covers the host time `needed[i]` of call i."""
+        def __init__(self, needed):
+            self.needed, self.sleeps, self.calls = needed, [], 0
+
+        def flush_l2(self):
+            pass
+
+        def time_queued_ms(self, run, host_ms):
+            run()
+            self.sleeps.append(host_ms)
+            needed = self.needed[self.calls]
+            if 0.1 + 2 * host_ms >= needed:
+                self.calls += 1
+                return 1.0 + self.calls
+            return None
+
+    prepared = []
+    clock = FakeClock([0.1, 5.0, 0.1])   # call 1 needs the sleep grown once (4x)
+    median = timing.queued_ms(clock, lambda i: prepared.append(i) or i, lambda state: None, copies=2, flush=True,
+                              reps=3, host_ms=1.0)
+    assert median == 3.0 and clock.sleeps == [1.0, 1.0, 4.0, 1.0]
+    assert prepared == [0, 1, 1, 0]       # an overtaken call is prepared again (a backward's state is spent)
+    hopeless = FakeClock([1e9] * 3)
+    assert timing.queued_ms(hopeless, lambda i: i, lambda state: None, copies=1, flush=False, reps=3,
+                            host_ms=1.0) is None
 
 
 def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):

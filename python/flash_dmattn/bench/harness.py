@@ -222,7 +222,7 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
         # The per-mask preparation belongs to a step's forward; a backward reuses what it made.
         prep = prep_ms if mode != "bwd" else None
         rows.append({**case_row(case), "impl": impl.name, "mode": mode, "status": "ok", "ms": measured.ms,
-                     "prep_ms": prep, "total_ms": measured.ms + (prep or 0.0),
+                     "gpu_ms": measured.queued_ms, "prep_ms": prep, "total_ms": measured.ms + (prep or 0.0),
                      "dense_tflops": dense / measured.ms / 1e9,
                      "visited_tflops": visited / measured.ms / 1e9, "tile_density": density,
                      "peak_mib": None if measured.peak_bytes is None else measured.peak_bytes / 2**20,

@@ -11,6 +11,14 @@ rotate over copies of them; where even the copies fit (tiny problems), and befor
 (whose own forward has just run on the same inputs), a 2×L2 buffer is written between calls,
 outside the events.
 
+GPU time with the host ahead (`queued_ms`): timed from an idle GPU, a call's time includes the
+host's work until each launch, which for a decode or a small sparse call is most of it. The same
+calls are timed again behind a sleep kernel that holds the stream while the host enqueues the
+whole call, so that the events bracket the GPU's work alone (gaps between kernels included):
+what the call costs where the host runs ahead, as in a training step or under CUDA graphs, and
+what "kernel time" means for every implementation alike. A call whose host work outlasts the
+sleep (or that waits for the GPU itself) is detected and not counted.
+
 On the CPU (`--device cpu`, for testing the harness) the clock is time.perf_counter.
 """
 import math
@@ -30,6 +38,7 @@ class Timing:
     ms: float           # median
     reps: int
     peak_bytes: Optional[int] = None
+    queued_ms: Optional[float] = None  # median GPU time with the host ahead (Clock.time_queued_ms)
 
 
 # The timing effort: the CLI's --warmup, --min-reps, --max-reps and --budget-ms.
@@ -68,16 +77,45 @@ class Clock:
             torch.cuda.synchronize(self.device)
 
     def time_ms(self, run: Callable[[], object]) -> float:
+        """The call's time from an idle GPU (its host time until the last launch included); the
+        host's own time for the call is kept in host_ms."""
         if not self.cuda:
             start = time.perf_counter()
             run()
-            return (time.perf_counter() - start) * 1e3
+            self.host_ms = (time.perf_counter() - start) * 1e3
+            return self.host_ms
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         run()
+        self.host_ms = (time.perf_counter() - began) * 1e3
         stop.record()
         stop.synchronize()
         return start.elapsed_time(stop)
+
+    def _sleep_cycles_per_ms(self) -> float:
+        """torch.cuda._sleep's spin cycles per ms on this device, measured once."""
+        if getattr(self, "_cycles_per_ms", None) is None:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(10**7)
+            stop.record()
+            stop.synchronize()
+            self._cycles_per_ms = 10**7 / max(start.elapsed_time(stop), 1e-3)
+        return self._cycles_per_ms
+
+    def time_queued_ms(self, run: Callable[[], object], host_ms: float) -> Optional[float]:
+        """The GPU time of run() queued behind a sleep of 0.1 ms plus twice host_ms (the host's time
+        for such a call): None where the sleep had ended before run() returned on the host, so
+        that the GPU may have waited for the host (a call that synchronizes always does)."""
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int((0.1 + 2 * host_ms) * self._sleep_cycles_per_ms()))
+        start.record()
+        run()
+        overtaken = start.query()
+        stop.record()
+        stop.synchronize()
+        return None if overtaken else start.elapsed_time(stop)
 
 
 def measure(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
@@ -96,8 +134,31 @@ def measure(clock: Clock, prepare: Callable[[int], object], run: Callable[[objec
     warm = [one(i) for i in range(max(1, settings.warmup))]
     estimate = statistics.median(warm)
     reps = int(min(settings.max_reps, max(settings.min_reps, settings.budget_ms / max(estimate, 1e-3))))
-    times = [one(i) for i in range(reps)]
-    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run))
+    times, host = [], []
+    for i in range(reps):
+        times.append(one(i))
+        host.append(clock.host_ms)
+    queued = queued_ms(clock, prepare, run, copies, flush, reps, max(host)) if clock.cuda else None
+    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run), queued)
+
+
+def queued_ms(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
+              flush: bool, reps: int, host_ms: float) -> Optional[float]:
+    """Median GPU time of reps calls queued behind a sleep (Clock.time_queued_ms); the sleep grows
+    4x where the host overtook it, twice at most; None where more than half the calls stay
+    overtaken."""
+    times = []
+    for i in range(reps):
+        state = prepare(i % copies)
+        if flush:
+            clock.flush_l2()
+        for attempt in range(3):
+            measured = clock.time_queued_ms(lambda: run(state), host_ms * 4**attempt)
+            if measured is not None:
+                times.append(measured)
+                break
+            state = prepare(i % copies)  # (a backward's state is spent by its call)
+    return statistics.median(times) if 2 * len(times) > reps else None
 
 
 def peak_bytes(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object]) -> Optional[int]:
