@@ -406,7 +406,7 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
             float32: the bias of each listed key (DeepSeek-style compact scores), added to
             attn_bias where both are given; a key listed twice gets the sum of its values, padding
             entries are not read. Its gradient comes back in its own shape (0 at padding).
-        check_indices: default True; False skips reading attn_indices' values, so that a CUDA call
+        check_indices: default True (None too); False skips reading attn_indices' values, so that a CUDA call
             does not wait for the GPU (decode): entries outside [0, Sk) then count as padding.
 
     Returns:
@@ -422,7 +422,7 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         query, key, value, attn_bias, attn_indices_bias = _autocast(query, key, value, attn_bias, attn_indices_bias)
         _check_operands(query, key, value, attn_mask, attn_bias, attn_indices)
     if attn_indices is not None:
-        _check_indices(attn_indices, query, key, bool(check_indices))
+        _check_indices(attn_indices, query, key, check_indices is None or bool(check_indices))
     if attn_indices_bias is not None:
         _check_indexed_bias(attn_indices_bias, attn_indices, query)
     softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op

@@ -32,13 +32,19 @@ class IndexBitsBuild : public GpuTest {};
 // keys ascending, each row's bits at them). One query row takes the direct build, more the bits.
 TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
   auto rng = test_rng();
-  const std::int64_t B = 2, H = 3, Sk = 77, K = 40;
-  for (const std::int64_t Sq : {1, 5, 70})
+  struct Shape {
+    std::int64_t Sq, Sk, K;
+  };
+  // One query row takes the direct build up to 2^18 keys (one word per thread at Sk <= 32768, a
+  // run of words past it), the bits past 2^18; more rows always take the bits.
+  for (const Shape n : {Shape{1, 77, 40}, Shape{5, 77, 40}, Shape{70, 77, 40}, Shape{1, 40000, 3000},
+                        Shape{1, 262145, 500}})
     for (const bool shared_rows : {false, true})
       for (const bool causal : {false, true}) {
+        const std::int64_t B = 2, H = 3, Sq = n.Sq, Sk = n.Sk, K = n.K;
         if (shared_rows && Sq == 1) continue;
-        SCOPED_TRACE("Sq " + std::to_string(Sq) + (shared_rows ? ", one list for every row" : ", a list per row") +
-                     (causal ? ", causal" : ""));
+        SCOPED_TRACE("Sq " + std::to_string(Sq) + " Sk " + std::to_string(Sk) +
+                     (shared_rows ? ", one list for every row" : ", a list per row") + (causal ? ", causal" : ""));
         HostTensor indices = HostTensor::empty(DType::int32, {B, H, shared_rows ? 1 : Sq, K});
         std::uniform_int_distribution<int> key(-3, static_cast<int>(Sk) + 2);
         for (std::int64_t i = 0; i < indices.view.numel(); ++i) indices.set(i, key(rng));
@@ -58,26 +64,30 @@ TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
         cuda_check(cudaMemcpyAsync(words.data(), memory.data(), memory.bytes(), cudaMemcpyDeviceToHost, stream()),
                    "download");
         cuda_check(cudaStreamSynchronize(stream()), "synchronize");
-        auto at = [&](const void* p) { return static_cast<std::size_t>(static_cast<const char*>(p) -
-                                                                       static_cast<const char*>(memory.data())) / 4; };
+        auto at = [&](const void* p) {
+          return static_cast<std::size_t>(static_cast<const char*>(p) - static_cast<const char*>(memory.data())) / 4;
+        };
         const int words_per_chunk_row = e.block_n / 32;
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t h = 0; h < H; ++h)
             for (std::int64_t m = 0; m < e.query_tiles(); ++m) {
               const std::int64_t list = (b * H + h) * e.query_tiles() + m;
-              const std::int64_t m_end = std::min<std::int64_t>((m + 1) * e.block_m, Sq);
-              // Row i keeps key j iff its list names j, and j <= i + diagonal where causal.
-              auto kept = [&](std::int64_t i, std::int64_t j) {
-                if (causal && j > i + e.diagonal) return false;
+              const std::int64_t m_begin = m * e.block_m, m_end = std::min<std::int64_t>(m_begin + e.block_m, Sq);
+              // kept[r][j]: row m_begin + r names key j, and j <= its row + diagonal where causal.
+              std::vector<std::vector<bool>> kept(static_cast<std::size_t>(m_end - m_begin),
+                                                  std::vector<bool>(static_cast<std::size_t>(Sk), false));
+              for (std::int64_t i = m_begin; i < m_end; ++i)
                 for (std::int64_t t = 0; t < K; ++t) {
-                  if (indices.get(host::offset4(indices.view, b, h, shared_rows ? 0 : i, t)) == double(j)) return true;
+                  const auto j = static_cast<std::int64_t>(
+                      indices.get(host::offset4(indices.view, b, h, shared_rows ? 0 : i, t)));
+                  if (j >= 0 && j < Sk && (!causal || j <= i + e.diagonal)) {
+                    kept[static_cast<std::size_t>(i - m_begin)][static_cast<std::size_t>(j)] = true;
+                  }
                 }
-                return false;
-              };
               std::vector<int> expected;
               for (std::int64_t j = 0; j < Sk; ++j)
-                for (std::int64_t i = m * e.block_m; i < m_end; ++i)
-                  if (kept(i, j)) {
+                for (const auto& row : kept)
+                  if (row[static_cast<std::size_t>(j)]) {
                     expected.push_back(static_cast<int>(j));
                     break;
                   }
@@ -86,13 +96,15 @@ TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
               const std::size_t keys = at(lists.keys) + static_cast<std::size_t>(list * lists.capacity);
               for (int t = 0; t < count; ++t) ASSERT_EQ(static_cast<int>(words[keys + t]), expected[t]) << "list " << list;
               const std::size_t row_bits = at(lists.row_bits) + static_cast<std::size_t>(list * lists.row_bits_stride);
-              for (std::int64_t i = m * e.block_m; i < m_end; ++i)
+              for (std::int64_t r = 0; r < m_end - m_begin; ++r)
                 for (int t = 0; t < count; ++t) {
-                  const int q = t / 32, r = static_cast<int>(i - m * e.block_m);
+                  const int q = t / 32;
                   const std::uint32_t word =
                       words[row_bits + (std::size_t(q / words_per_chunk_row) * e.block_m + r) * words_per_chunk_row +
                             q % words_per_chunk_row];
-                  ASSERT_EQ(((word >> (t % 32)) & 1u) != 0, kept(i, expected[t])) << "row " << i << " position " << t;
+                  ASSERT_EQ(((word >> (t % 32)) & 1u) != 0,
+                            kept[static_cast<std::size_t>(r)][static_cast<std::size_t>(expected[t])])
+                      << "row " << m_begin + r << " position " << t;
                 }
             }
       }

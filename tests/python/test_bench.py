@@ -455,6 +455,7 @@ def test_queued_timing_retries_overtaken_calls_with_longer_sleeps():
     hopeless = FakeClock([1e9] * 3)
     assert timing.queued_ms(hopeless, lambda i: i, lambda state: None, copies=1, flush=False, reps=3,
                             host_ms=1.0) is None
+    assert hopeless.sleeps == [1.0, 4.0, 16.0, 1.0, 4.0, 16.0]  # given up once half the calls cannot count
 
 
 def test_ours_gather_sets_the_path_around_its_own_calls_only(monkeypatch):

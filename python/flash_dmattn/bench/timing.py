@@ -112,8 +112,8 @@ class Clock:
         torch.cuda._sleep(int((0.1 + 2 * host_ms) * self._sleep_cycles_per_ms()))
         start.record()
         run()
-        overtaken = start.query()
         stop.record()
+        overtaken = start.query()  # (after stop's record: the GPU never waits for it)
         stop.synchronize()
         return None if overtaken else start.elapsed_time(stop)
 
@@ -146,19 +146,20 @@ def queued_ms(clock: Clock, prepare: Callable[[int], object], run: Callable[[obj
               flush: bool, reps: int, host_ms: float) -> Optional[float]:
     """Median GPU time of reps calls queued behind a sleep (Clock.time_queued_ms); the sleep grows
     4x where the host overtook it, twice at most; None where more than half the calls stay
-    overtaken."""
+    overtaken (given up as soon as that is certain: a call that waits for the GPU always is)."""
     times = []
     for i in range(reps):
-        state = prepare(i % copies)
-        if flush:
-            clock.flush_l2()
         for attempt in range(3):
+            state = prepare(i % copies)  # (again on a retry: a backward's state is spent by its call)
+            if flush:
+                clock.flush_l2()  # (again on a retry: the overtaken call left its inputs in L2)
             measured = clock.time_queued_ms(lambda: run(state), host_ms * 4**attempt)
             if measured is not None:
                 times.append(measured)
                 break
-            state = prepare(i % copies)  # (a backward's state is spent by its call)
-    return statistics.median(times) if 2 * len(times) > reps else None
+        if 2 * (len(times) + reps - 1 - i) <= reps:
+            return None
+    return statistics.median(times)
 
 
 def peak_bytes(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object]) -> Optional[int]:
