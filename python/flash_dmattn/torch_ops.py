@@ -50,12 +50,12 @@ def _stream(t: torch.Tensor) -> int:
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     """t, or a contiguous copy where the CUDA kernels' vector loads need one.
 
-    They load q, k, v and dout rows as 16-byte vectors: the base address and every stride but the
-    last must be whole vectors (8 elements), and the last dim contiguous. Views from reshapes,
-    transposes and slices of whole heads already are; anything else is copied.
+    They load q, k, v, out and dout rows as 16-byte vectors: the base address and every stride but
+    the last must be whole vectors (8 elements), and the last dim contiguous. Views from reshapes,
+    transposes and slices of whole heads already are; anything else is copied. The calls ask the
+    args they built first (`args.rows_aligned`, read from views the module holds anyway) and come
+    here only when that fails.
     """
-    if not t.is_cuda:  # (cheaper than t.device.type, which builds a device and a string)
-        return t
     # (Read in the module: the same test in Python took about 3 us per tensor.)
     return t if _C.rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
@@ -141,12 +141,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     if head_dim % _HEAD_DIM_MULTIPLE:  # (q, k and v share the head dim)
         q, k, v = _padded(q), _padded(k), _padded(v)
-    q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
-    out = _empty_like(q)
+    out = _empty_like(q)  # (contiguous: its rows are aligned whatever q's are)
     # (The sizes as separate arguments: torch parses them faster than a tuple, by about 0.7 us.)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap,
-                         _prepared(prepared, prepared_fingerprint, prepared_paths), indices)
+    prepared_mask = _prepared(prepared, prepared_fingerprint, prepared_paths)
+    args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared_mask, indices)
+    if q.is_cuda and not args.rows_aligned:  # (rare: views whose rows are not whole 16-byte vectors)
+        q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
+        args = _forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap, prepared_mask, indices)
     _run(_C.forward, _C.forward_workspace_size, args, q.device)
     return _unpadded(out, head_dim), lse
 
@@ -173,12 +175,19 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dout = dout.contiguous()
     if head_dim % _HEAD_DIM_MULTIPLE:  # (every one of them has q's head dim)
         dout, q, k, v, out = _padded(dout), _padded(q), _padded(k), _padded(v), _padded(out)
-    dout, q, k, v, out = _rows_aligned(dout), _rows_aligned(q), _rows_aligned(k), _rows_aligned(v), _rows_aligned(out)
-    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)  # (contiguous: aligned rows)
     dbias = _empty_like(bias) if bias_grad else q.new_empty(0)
-    args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, indices, bias, dbias if bias_grad else None, scale,
-                            causal, softcap, deterministic, _stream(q),
-                            _prepared(prepared, prepared_fingerprint, prepared_paths))
+    prepared_mask = _prepared(prepared, prepared_fingerprint, prepared_paths)
+    stream = _stream(q)
+
+    def arguments():
+        return _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, indices, bias, dbias if bias_grad else None,
+                                scale, causal, softcap, deterministic, stream, prepared_mask)
+
+    args = arguments()
+    if q.is_cuda and not args.rows_aligned:  # (rare: views whose rows are not whole 16-byte vectors)
+        dout, q, k, v, out = (_rows_aligned(t) for t in (dout, q, k, v, out))
+        args = arguments()
     _run(_C.backward, _C.backward_workspace_size, args, q.device)
     return _unpadded(dq, head_dim), _unpadded(dk, head_dim), _unpadded(dv, head_dim), dbias
 

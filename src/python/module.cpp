@@ -197,6 +197,18 @@ std::optional<fd::TensorView> read_optional_tensor(nb::handle t, const char* arg
 // Whether the CUDA kernels can load t's rows as 16-byte vectors (flash_dmattn::rows_aligned_16).
 bool rows_aligned(nb::handle t) { return fd::rows_aligned_16(read_tensor(t, "tensor")); }
 
+// Whether the rows the kernels load as 16-byte vectors are aligned for it: q, k, v and out, and
+// the backward's dout. Read from the views the args already hold, so that the torch front checks
+// its tensors without reading them a second time.
+bool args_rows_aligned(const fd::ForwardArgs& a) {
+  return fd::rows_aligned_16(a.q) && fd::rows_aligned_16(a.k) && fd::rows_aligned_16(a.v) &&
+         fd::rows_aligned_16(a.out);
+}
+bool args_rows_aligned(const fd::BackwardArgs& a) {
+  return fd::rows_aligned_16(a.q) && fd::rows_aligned_16(a.k) && fd::rows_aligned_16(a.v) &&
+         fd::rows_aligned_16(a.out) && fd::rows_aligned_16(a.dout);
+}
+
 // The tensors ForwardArgs and BackwardArgs share, read into args.
 template <typename Args>
 void read_shared_tensors(Args& args, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
@@ -298,7 +310,9 @@ NB_MODULE(_C, m) {
           nb::arg("mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
           nb::arg("backend") = "automatic", nb::arg("stream") = 0, nb::arg("prepared_mask").none() = nb::none(),
-          nb::keep_alive<1, 14>());
+          nb::keep_alive<1, 14>())
+      .def_prop_ro("rows_aligned", [](const fd::ForwardArgs& a) { return args_rows_aligned(a); },
+                   "Whether q, k, v and out suit the CUDA kernels' 16-byte row loads");
 
   nb::class_<fd::BackwardArgs>(m, "BackwardArgs", "The arguments of one backward call (attention.h)")
       .def(
@@ -331,7 +345,9 @@ NB_MODULE(_C, m) {
           nb::arg("bias").none() = nb::none(), nb::arg("dbias").none() = nb::none(),
           nb::arg("softmax_scale").none() = nb::none(), nb::arg("causal") = false, nb::arg("softcap") = 0.0,
           nb::arg("deterministic") = false, nb::arg("backend") = "automatic", nb::arg("stream") = 0,
-          nb::arg("prepared_mask").none() = nb::none(), nb::keep_alive<1, 20>());
+          nb::arg("prepared_mask").none() = nb::none(), nb::keep_alive<1, 20>())
+      .def_prop_ro("rows_aligned", [](const fd::BackwardArgs& a) { return args_rows_aligned(a); },
+                   "Whether q, k, v, out and dout suit the CUDA kernels' 16-byte row loads");
 
   m.def(
       "register_dtypes",

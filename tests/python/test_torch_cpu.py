@@ -335,8 +335,9 @@ def test_calls_that_need_no_gradient_skip_autograd_but_keep_every_gradient_asked
 
 
 def test_the_module_reads_torch_tensors_directly():
-    """_C.rows_aligned and _C.forward_args read dtype, shape, strides, pointer and device from the
-    tensors themselves (the torch front's fast path); what they cannot read is named."""
+    """_C.rows_aligned and _C.forward_args (and the args' rows_aligned) read dtype, shape, strides,
+    pointer and device from the tensors themselves (the torch front's fast path); what they cannot
+    read is named."""
     _C = torch_ops._C
     t = torch.zeros(2, 3, 4, 16, dtype=torch.bfloat16)
     assert _C.rows_aligned(t)
@@ -351,6 +352,9 @@ def test_the_module_reads_torch_tensors_directly():
     q, k, v = q_k_v()
     out, lse = torch.empty_like(q), torch.empty(2, 4, 5)
     args = _C.forward_args(q, k, v, out, lse, None, None, None, None, False, 0.0, 0, None)
+    assert args.rows_aligned  # (q, k, v and out as the views hold them: no second read of the tensors)
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert not _C.forward_args(odd, k, v, out, lse, None, None, None, None, False, 0.0, 0, None).rows_aligned
     torch_ops._run(_C.forward, _C.forward_workspace_size, args, q.device)
     expected, expected_lse, _ = flash_dmattn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)

@@ -84,6 +84,30 @@ def test_only_the_bias_requires_grad():
     assert_within_baseline("dbias", grads["bias"], ref["bias"], base["bias"])
 
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose base is one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_views_with_unaligned_rows_give_the_same_results():
+    """q, k, v and dout whose rows are not whole 16-byte vectors are copied before the kernels'
+    vector loads (the args' rows_aligned check): the results equal those of aligned tensors."""
+    case = make_case(2, 33, 47, 4, 2, 64, device="cuda", mask_shape=(2, 2, 33, 47), bias_shape=(2, 2, 1, 47))
+    dout = torch.randn(case["q"].shape, device="cuda").bfloat16()
+    grads = []
+    for views in (False, True):
+        q, k, v = (_unaligned(case[n]) if views else case[n].clone() for n in ("q", "k", "v"))
+        for t in (q, k, v):
+            t.requires_grad_()
+        out = flash_dmattn_func(q, k, v, attn_mask=case["mask"], attn_bias=case["bias"], is_causal=True)
+        grads.append([out, *torch.autograd.grad(out, (q, k, v), _unaligned(dout) if views else dout)])
+    for aligned, unaligned in zip(*grads):
+        assert torch.equal(aligned, unaligned)
+
+
 @pytest.mark.parametrize("head_dim", [4, 20, 100])
 def test_padded_head_dims(head_dim):
     case = make_case(2, 50, 70, 4, 2, head_dim, device="cuda", mask_shape=(2, 1, 1, 70), bias_shape=(2, 2, 1, 70))
