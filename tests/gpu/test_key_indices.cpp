@@ -35,10 +35,11 @@ TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
   struct Shape {
     std::int64_t Sq, Sk, K;
   };
-  // One query row takes the direct build up to 2^18 keys (one word per thread at Sk <= 32768, a
-  // run of words past it), the bits past 2^18; more rows always take the bits.
+  // Up to 2^18 keys the lists come straight from the entries (one word per thread up to 32768
+  // keys, a run of words past it; one query row, or several per tile, or two tiles), past it
+  // through the bits.
   for (const Shape n : {Shape{1, 77, 40}, Shape{5, 77, 40}, Shape{70, 77, 40}, Shape{1, 40000, 3000},
-                        Shape{1, 262145, 500}})
+                        Shape{70, 40000, 700}, Shape{1, 262145, 500}, Shape{5, 262145, 300}})
     for (const bool shared_rows : {false, true})
       for (const bool causal : {false, true}) {
         const std::int64_t B = 2, H = 3, Sq = n.Sq, Sk = n.Sk, K = n.K;

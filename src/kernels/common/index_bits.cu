@@ -1,9 +1,11 @@
 // Key indices to the gather path's key lists, two ways.
-// - One query row (decode): one CTA per list marks its entries' keys in a bitmap in shared memory
-//   (a key listed twice is marked once) and compacts it into the ascending list, so no per-row
-//   bits go through global memory and one launch replaces two. On an H200 (decode B1 H32/8
-//   Sk131072 D128, top-4096 by bias), the two launches below took the call from 0.057 ms (lists
-//   prepared beforehand) to 0.116.
+// - Straight from the entries (up to 2^18 keys): one CTA per list (query tile, head, batch) marks
+//   its rows' entries in a bitmap in shared memory (a key listed twice, or by two rows, is marked
+//   once), compacts it into the ascending list, keeping each word's rank (the keys before it), and
+//   then sets each row's bit at the rank of each of its keys. One query row (decode) keeps every
+//   listed key, so its row bits are ones up to the count and the last pass is skipped. On an
+//   H200 (decode B1 H32/8 Sk131072 D128, top-4096 by bias), the decode went from 0.116 ms with
+//   the two launches below to 0.071.
 // - Otherwise: one CTA per (query row, head, batch) zeroes its row's Sk bits, then sets one bit per
 //   valid entry with an atomic OR (entries of one row may name keys in one word); build_key_lists
 //   then ORs and compacts each query tile's rows. A row of bits is 8x smaller than the bool mask
@@ -18,20 +20,20 @@ namespace {
 constexpr int kBitsThreads = 256;
 constexpr int kListThreads = 1024;
 constexpr int kListWarps = kListThreads / 32;
-// The shared bitmap of one list: 2^18 keys, the longest one query row's lists are built for
-// directly (32 KiB, under the default limit of dynamic shared memory).
+// The longest key span whose lists are built straight from the entries: 2^18 keys, a bitmap of
+// 32 KiB and the words' ranks as much again (shared memory past the default 48 KiB: launch.h
+// raises the limit once).
 constexpr int kListBitmapBytes = 32 * 1024;
+constexpr int kListSmemBytes = 2 * kListBitmapBytes;
 
 __host__ __device__ int row_words(const KeyListExtent& e) { return (e.seqlen_k + 31) / 32; }
 
-// Keys row 0 may see: all of them, or up to its causal limit.
-__host__ __device__ int row0_key_end(const KeyListExtent& e) {
-  return e.causal ? max(0, min(e.seqlen_k, e.diagonal + 1)) : e.seqlen_k;
+// Keys query row i may see: all of them, or up to its causal limit (none where it is negative).
+__host__ __device__ int key_end(const KeyListExtent& e, int i) {
+  return e.causal ? max(0, min(e.seqlen_k, i + e.diagonal + 1)) : e.seqlen_k;
 }
 
-bool lists_direct(const KeyListExtent& e) {
-  return e.seqlen_q == 1 && std::int64_t(row_words(e)) * 4 <= kListBitmapBytes;
-}
+bool lists_direct(const KeyListExtent& e) { return std::int64_t(row_words(e)) * 4 <= kListBitmapBytes; }
 
 __global__ void __launch_bounds__(kBitsThreads) index_bits_kernel(const KeyListExtent e, const IndexRows in,
                                                                   std::uint32_t* bits) {
@@ -47,22 +49,32 @@ __global__ void __launch_bounds__(kBitsThreads) index_bits_kernel(const KeyListE
   }
 }
 
-// The list of query tile 0 (the one query row) of a (head, batch): its keys ascending, row 0's
-// bits (every listed key kept) and its count, as build_key_lists lays them out.
+// The list of one query tile of a (head, batch): its keys ascending, each row's bits at them and
+// its count, laid out as build_key_lists lays them out.
 __global__ void __launch_bounds__(kListThreads) index_lists_kernel(const KeyListExtent e, const IndexRows in,
                                                                    int* keys_out, std::uint32_t* row_bits_out,
                                                                    int* counts) {
-  extern __shared__ std::uint32_t bitmap[];
+  extern __shared__ std::uint32_t bitmap[];  // [words] the marks, then [words] each word's rank
   __shared__ int warp_totals[kListWarps];
-  const GridCoords c = unfold_block(GridShape{1, e.heads, e.batches});
-  const std::int64_t list = std::int64_t(c.z) * e.heads + c.y;  // (one query tile per list)
-  const int key_end = row0_key_end(e), words = (key_end + 31) / 32;
+  const GridCoords c = unfold_block(GridShape{e.query_tiles(), e.heads, e.batches});
+  const std::int64_t list = (std::int64_t(c.z) * e.heads + c.y) * e.query_tiles() + c.x;
+  const int m_begin = c.x * e.block_m, rows = min(e.block_m, e.seqlen_q - m_begin);
+  // Keys past the last row's causal limit are seen by no row of the tile.
+  const int words = (key_end(e, m_begin + rows - 1) + 31) / 32;
+  int* rank = reinterpret_cast<int*>(bitmap + words);
   for (int w = threadIdx.x; w < words; w += kListThreads) bitmap[w] = 0;
   __syncthreads();
+  // Entry t of row r (the rows' entries strided over the CTA): its key, or -1 where the row does
+  // not keep it (padding, out of range, past the row's causal limit).
   const std::int32_t* entries = in.data + c.z * in.batch_stride + c.y * in.head_stride;
-  for (int t = threadIdx.x; t < in.entries; t += kListThreads) {
-    const int key = entries[std::int64_t(t) * in.entry_stride];
-    if (key >= 0 && key < key_end) atomicOr(&bitmap[key / 32], 1u << (key % 32));
+  auto entry_key = [&](int r, int t) {
+    const int key = entries[std::int64_t(m_begin + r) * in.row_stride + std::int64_t(t) * in.entry_stride];
+    return key >= 0 && key < key_end(e, m_begin + r) ? key : -1;
+  };
+  const std::int64_t marks = std::int64_t(rows) * in.entries;
+  for (std::int64_t u = threadIdx.x; u < marks; u += kListThreads) {
+    const int key = entry_key(static_cast<int>(u / in.entries), static_cast<int>(u % in.entries));
+    if (key >= 0) atomicOr(&bitmap[key / 32], 1u << (key % 32));
   }
   __syncthreads();
 
@@ -87,18 +99,37 @@ __global__ void __launch_bounds__(kListThreads) index_lists_kernel(const KeyList
   }
   int* keys = keys_out + list * e.capacity();
   for (int w = w_begin; w < w_end; ++w) {
+    rank[w] = at;
     for (std::uint32_t m = bitmap[w]; m; m &= m - 1u) keys[at++] = w * 32 + __ffs(m) - 1;
   }
-  // Row 0 keeps every listed key: whole words of ones, then the last word's low total % 32 bits.
-  // Positions past the count are never read as kept (gathered_keys.h), so nothing else is written.
-  std::uint32_t* row_bits = row_bits_out + list * e.row_bits_words();
-  const int words_per_chunk_row = e.block_n / 32;
-  for (int u = threadIdx.x; u < (total + 31) / 32; u += kListThreads) {
-    const int left = total - u * 32;
-    row_bits[std::int64_t(u / words_per_chunk_row) * e.block_m * words_per_chunk_row + u % words_per_chunk_row] =
-        left >= 32 ? ~0u : (1u << left) - 1u;
-  }
   if (threadIdx.x == 0) counts[list] = total;
+
+  // Row r's bit of list position q lies in word q / 32 of the row's compacted bits, which chunks of
+  // block_n positions keep for all block_m rows together. Positions past the count are never read
+  // as kept (gathered_keys.h), so only the used words are written.
+  std::uint32_t* row_bits = row_bits_out + list * e.row_bits_words();
+  const int words_per_chunk_row = e.block_n / 32, used = (total + 31) / 32;
+  auto row_word = [&](int r, int q) -> std::uint32_t& {
+    return row_bits[(std::int64_t(q / words_per_chunk_row) * e.block_m + r) * words_per_chunk_row +
+                    q % words_per_chunk_row];
+  };
+  if (rows == 1) {  // (one row keeps every listed key)
+    for (int q = threadIdx.x; q < used; q += kListThreads) {
+      const int left = total - q * 32;
+      row_word(0, q) = left >= 32 ? ~0u : (1u << left) - 1u;
+    }
+    return;
+  }
+  for (std::int64_t u = threadIdx.x; u < std::int64_t(rows) * used; u += kListThreads) {
+    row_word(static_cast<int>(u / used), static_cast<int>(u % used)) = 0;
+  }
+  __syncthreads();  // (the zeroes land before any bit is set: global memory, one CTA)
+  for (std::int64_t u = threadIdx.x; u < marks; u += kListThreads) {
+    const int r = static_cast<int>(u / in.entries), key = entry_key(r, static_cast<int>(u % in.entries));
+    if (key < 0) continue;
+    const int w = key / 32, position = rank[w] + __popc(bitmap[w] & ((1u << (key % 32)) - 1u));
+    atomicOr(&row_word(r, position / 32), 1u << (position % 32));
+  }
 }
 
 }  // namespace
@@ -116,10 +147,10 @@ cudaError_t build_index_lists(const KeyListExtent& e, const IndexRows& in, void*
     *lists = describe_key_lists(e, lists_memory);
     if (e.lists() == 0) return cudaSuccess;
     // (describe_key_lists hands the kernels read-only views of the memory this launch fills)
-    return launch_folded<kListBitmapBytes>(&index_lists_kernel, GridShape{1, e.heads, e.batches}, kListThreads,
-                                           stream, e, in, const_cast<int*>(lists->keys),
-                                           const_cast<std::uint32_t*>(lists->row_bits),
-                                           const_cast<int*>(lists->counts));
+    return launch_folded<kListSmemBytes>(&index_lists_kernel, GridShape{e.query_tiles(), e.heads, e.batches},
+                                         kListThreads, stream, e, in, const_cast<int*>(lists->keys),
+                                         const_cast<std::uint32_t*>(lists->row_bits),
+                                         const_cast<int*>(lists->counts));
   }
   auto* bits = static_cast<std::uint32_t*>(bits_workspace);
   const int words = row_words(e);

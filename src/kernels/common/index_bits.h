@@ -1,6 +1,6 @@
-// The gather path's key lists (key_lists.h) from key indices (ForwardArgs::indices). A call of one
-// query row (decode) gets its lists straight from its entries; any other goes through per-row key
-// bits in the tile summary's bit layout, from which build_key_lists builds them as from a mask.
+// The gather path's key lists (key_lists.h) from key indices (ForwardArgs::indices): straight from
+// the entries up to 2^18 keys; past that through per-row key bits in the tile summary's bit
+// layout, from which build_key_lists builds them as from a mask.
 #pragma once
 
 #include <cuda_runtime.h>
