@@ -143,6 +143,8 @@ std::size_t index_bits_bytes(const KeyListExtent& e) {
 cudaError_t build_index_lists(const KeyListExtent& e, const IndexRows& in, void* bits_workspace, void* lists_memory,
                               cudaStream_t stream, TileSummary* summary, KeyLists* lists) {
   *summary = TileSummary{};
+  // (build_key_lists's own bounds: the row bits are whole words per chunk row)
+  if (e.block_m > kMaxListRows || e.block_n % 32 != 0) return cudaErrorInvalidValue;
   if (lists_direct(e)) {
     *lists = describe_key_lists(e, lists_memory);
     if (e.lists() == 0) return cudaSuccess;
