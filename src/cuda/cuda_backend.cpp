@@ -584,10 +584,10 @@ class CudaSm80Backend final : public BackendImpl {
     }
     if (pass == Pass::backward) {
       const int needed = kernels::sm80::backward_smem_bytes(element, static_cast<int>(p.head_dim));
-      if (needed > 0 && !smem_fits(needed, p)) {
+      const int available = device_info(p.device.index).smem_per_block_optin;
+      if (needed > available) {
         return "the backward at head dim " + std::to_string(p.head_dim) + " needs " + std::to_string(needed) +
-               " bytes of shared memory per block, the device allows " +
-               std::to_string(device_info(p.device.index).smem_per_block_optin);
+               " bytes of shared memory per block, the device allows " + std::to_string(available);
       }
     }
     if (p.seqlen_q > INT_MAX / 2) return "supports seqlen_q below 2^30, got " + std::to_string(p.seqlen_q);

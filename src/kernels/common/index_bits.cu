@@ -12,6 +12,7 @@
 //   row it stands for.
 #include "kernels/common/index_bits.h"
 
+#include "kernels/common/cta_prefix_sum.h"
 #include "kernels/common/launch.h"
 
 namespace flash_dmattn::kernels {
@@ -84,19 +85,9 @@ __global__ void __launch_bounds__(kListThreads) index_lists_kernel(const KeyList
   const int w_begin = min(words, int(threadIdx.x) * per_thread), w_end = min(words, w_begin + per_thread);
   int n = 0;
   for (int w = w_begin; w < w_end; ++w) n += __popc(bitmap[w]);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inclusive = n;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += up;
-  }
-  if (lane == 31) warp_totals[warp] = inclusive;
-  __syncthreads();
-  int at = inclusive - n, total = 0;
-  for (int k = 0; k < kListWarps; ++k) {
-    at += k < warp ? warp_totals[k] : 0;
-    total += warp_totals[k];
-  }
+  const CtaPrefix prefix = cta_exclusive_sum<kListWarps>(n, warp_totals);
+  int at = prefix.before;
+  const int total = prefix.total;
   int* keys = keys_out + list * e.capacity();
   for (int w = w_begin; w < w_end; ++w) {
     rank[w] = at;

@@ -6,6 +6,7 @@
 // time, a barrier each, took 106 us.
 #include "kernels/common/key_lists.h"
 
+#include "kernels/common/cta_prefix_sum.h"
 #include "kernels/common/launch.h"
 
 namespace flash_dmattn::kernels {
@@ -57,7 +58,6 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
     return valid < 32 ? v & ((1u << valid) - 1u) : v;
   };
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ int warp_totals[kWarps];
   // A pass's compacted bits (at most 8192 positions, starting anywhere in a word) of a group of
   // kGroupRows rows, two groups alternating: one barrier per group separates filling from storing,
@@ -78,19 +78,9 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
 #pragma unroll 8
     for (int r = 0; r < rows; ++r) word |= row_word(r, w);
     const int n = __popc(word);
-    int inclusive = n;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (lane >= o) inclusive += up;
-    }
-    if (lane == 31) warp_totals[warp] = inclusive;
-    __syncthreads();
-    int before = 0, pass_total = 0;
-    for (int k = 0; k < kWarps; ++k) {
-      before += k < warp ? warp_totals[k] : 0;
-      pass_total += warp_totals[k];
-    }
-    const int first = total + before + inclusive - n;  // this word's first position in the list
+    const CtaPrefix prefix = cta_exclusive_sum<kWarps>(n, warp_totals);
+    const int pass_total = prefix.total;
+    const int first = total + prefix.before;  // this word's first position in the list
     int at = first;
     for (std::uint32_t m = word; m; m &= m - 1u) keys[at++] = w * 32 + __ffs(m) - 1;
 
