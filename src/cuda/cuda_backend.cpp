@@ -307,7 +307,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     plan.gather = true;
     plan.family = KernelFamily::sm80;
     plan.lists = forward_list_extent(*a.indices, p);
-    plan.summary_bytes = kernels::index_bits_bytes(plan.lists);
+    plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
@@ -434,7 +434,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.dq_slots = plan.key_splits;
   }
   if (a.indices) {
-    plan.summary_bytes = kernels::index_bits_bytes(plan.lists);  // (cannot_run: indices take the gather path)
+    plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);  // (cannot_run: indices take the gather path)
   } else if (a.mask && !a.prepared_mask) {
     plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   }

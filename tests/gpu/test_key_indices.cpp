@@ -29,17 +29,17 @@ class IndexBitsBuild : public GpuTest {};
 // Random entries, -1, duplicates and values outside [0, Sk) (skipped: the CUDA backend cannot read
 // the values before launch), rows broadcast from one list, causal or not: the lists built from
 // them against a host build of what build_key_lists makes of a mask (each query tile's union of
-// keys ascending, each row's bits at them). One query row takes the direct build, more the bits.
+// keys ascending, each row's bits at them).
 TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
   auto rng = test_rng();
   struct Shape {
     std::int64_t Sq, Sk, K;
   };
   // Up to 2^18 keys the lists come straight from the entries (one word per thread up to 32768
-  // keys, a run of words past it; one query row, or several per tile, or two tiles), past it
-  // through the bits.
+  // keys, a run of words past it; one query row, or several per tile with up to 256 entries,
+  // or two tiles), past it, or with longer lists for several rows, through the bits.
   for (const Shape n : {Shape{1, 77, 40}, Shape{5, 77, 40}, Shape{70, 77, 40}, Shape{1, 40000, 3000},
-                        Shape{70, 40000, 700}, Shape{1, 262145, 500}, Shape{5, 262145, 300}})
+                        Shape{70, 40000, 200}, Shape{70, 40000, 700}, Shape{1, 262145, 500}, Shape{5, 262145, 300}})
     for (const bool shared_rows : {false, true})
       for (const bool causal : {false, true}) {
         const std::int64_t B = 2, H = 3, Sq = n.Sq, Sk = n.Sk, K = n.K;
@@ -53,7 +53,7 @@ TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
         kernels::KeyListExtent e;
         e.batches = B, e.heads = H, e.seqlen_q = static_cast<int>(Sq), e.seqlen_k = static_cast<int>(Sk);
         e.block_m = 64, e.block_n = 64, e.causal = causal, e.diagonal = static_cast<int>(Sk - Sq);
-        DeviceBuffer bits(std::max<std::size_t>(kernels::index_bits_bytes(e), 1));
+        DeviceBuffer bits(std::max<std::size_t>(kernels::index_bits_bytes(e, static_cast<int>(K)), 1));
         DeviceBuffer memory(kernels::key_lists_bytes(e));
         cuda_check(cudaMemset(memory.data(), 0xab, memory.bytes()), "poison");
         kernels::TileSummary summary;

@@ -22,9 +22,9 @@ struct IndexRows {
 };
 
 // Bytes of workspace the per-row bits of `extent` take (a row of Sk bits per query row, per
-// (batch, head) of the extent: its batches and heads are the indices'); 0 where the lists are
-// built straight from the entries.
-std::size_t index_bits_bytes(const KeyListExtent& extent);
+// (batch, head) of the extent: its batches and heads are the indices'), for lists of `entries`
+// (IndexRows::entries); 0 where the lists are built straight from the entries.
+std::size_t index_bits_bytes(const KeyListExtent& extent, int entries);
 
 // Launches on `stream` the build of the extent's lists into `lists_memory` (key_lists_bytes) from
 // `indices` (key j kept in a row iff some entry of its list is j; a key listed twice counts once),
