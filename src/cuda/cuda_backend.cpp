@@ -122,7 +122,7 @@ struct ForwardPlan {
   KernelFamily family = KernelFamily::sm80;
   int pack_group = 1;
   int num_splits = 1;
-  bool gather = false;  // the gather path: key lists, sm80 kernels
+  bool gather = false;  // the gather path: key lists (sm80 kernels unless gather_forward_family says sm90a)
   kernels::KeyListExtent lists;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0, lists_bytes = 0;
 
@@ -194,6 +194,21 @@ const TensorView& list_source(const std::optional<TensorView>& mask, const std::
 kernels::KeyListExtent forward_list_extent(const TensorView& mask, const Problem& p) {
   const kernels::sm80::ForwardTile tile = kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
   return list_extent(mask, p, tile.block_m, tile.block_n);
+}
+
+// The gather forward's kernel family: sm90a where the build has its gather forward (the CMake
+// option FLASH_DMATTN_SM90A_GATHER: correct, not yet faster than the sm80 one, see
+// docs/architecture.md) and the family choice allows sm90a (FLASH_DMATTN_KERNELS=sm80 forces sm80).
+KernelFamily gather_forward_family(const Problem& p, int arch) {
+  if (!kernels::sm90::has_gather_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) return KernelFamily::sm80;
+  return choose_family(p, arch, Pass::forward);
+}
+
+// The lists a gather forward of `family` reads: its kernel's tile.
+kernels::KeyListExtent gather_forward_lists(KernelFamily family, const TensorView& source, const Problem& p) {
+  if (family == KernelFamily::sm80) return forward_list_extent(source, p);
+  const auto tile = kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::cp_async);
+  return list_extent(source, p, tile.block_m, tile.block_n);
 }
 
 // A prepared mask's memory: [tile summary][key lists, where it holds them].
@@ -305,15 +320,15 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
     // straight from the entries for one query row, else through per-row bits (index_bits.h).
     plan.gather = true;
-    plan.family = KernelFamily::sm80;
-    plan.lists = forward_list_extent(*a.indices, p);
+    plan.family = gather_forward_family(p, arch);
+    plan.lists = gather_forward_lists(plan.family, *a.indices, p);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
     plan.gather = true;
-    plan.family = KernelFamily::sm80;
-    plan.lists = forward_list_extent(*a.mask, p);
+    plan.family = gather_forward_family(p, arch);
+    plan.lists = gather_forward_lists(plan.family, *a.mask, p);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else {
     plan.family = choose_family(p, arch, Pass::forward);

@@ -15,6 +15,14 @@
 
 namespace flash_dmattn::kernels {
 
+// Where a forward CTA's keys come from: the key tiles of the span the tile summary leaves active,
+// or the key list of the gather path (ForwardParams::lists).
+enum class KeySource { tiles, lists };
+
+// The chunks whose keys a forward keeps staged (GatheredKeys' kStages): two ahead of the chunk
+// that computes, one for the gathers in flight.
+inline constexpr int kForwardGatherStages = 3;
+
 template <int kBlockM, int kBlockN, int kStages = 2>
 struct GatheredKeys {
   static_assert(kBlockN % 32 == 0, "a chunk's row bits are whole words");
@@ -77,10 +85,10 @@ struct GatheredKeys {
   // (batch, KV head). Rows past the list's end are zero-filled: zero V rows keep P·V finite where
   // P is 0. dst, coords: the thread's vectors as the tiled copy partitions them, (vector, rows, cols).
   template <typename Element, typename TensorD, typename TensorC>
-  __device__ __forceinline__ void load(TensorD& dst, const TensorC& coords, int c, const Element* base,
+  __device__ __forceinline__ void load(TensorD&& dst, const TensorC& coords, int c, const Element* base,
                                        std::int64_t row_stride, int head_dim) const {
     const int* chunk = staged_keys(c);
-    copy_q_rows_async<Element>(dst, coords, count - c * kBlockN, head_dim,
+    copy_rows_by_pointer_async<Element>(dst, coords, count - c * kBlockN, head_dim,
                                [&](int row) { return base + chunk[row] * row_stride; });
   }
 

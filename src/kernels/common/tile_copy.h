@@ -55,27 +55,28 @@ __device__ __forceinline__ void copy_rows_async(const TensorS& src, TensorD&& ds
   }
 }
 
-// Copies query rows global -> shared with cp.async; each row's address comes from the row map
-// (packed rows of one tile belong to different heads). Rows past the end and head-dim columns
-// at or past `head_dim` are zero-filled.
+// Copies rows global -> shared with cp.async, each row's address from row_pointer(row): query
+// rows of a packed tile belong to different heads, and the gather path's K and V rows are the
+// keys of a list. Rows at or past `valid_rows` and head-dim columns at or past `head_dim` are
+// zero-filled (src-size 0, from row 0's address, which every caller has). The copy atom writes
+// through dst's layout, swizzled ones included: a position-independent swizzle tensor (sm90a)
+// swizzles its pointer, which raw_pointer_cast would drop.
 template <typename Element, typename TensorD, typename TensorC, typename RowPointer>
-__device__ __forceinline__ void copy_q_rows_async(TensorD& dst, const TensorC& coords, int valid_rows, int head_dim,
+__device__ __forceinline__ void copy_rows_by_pointer_async(TensorD&& dst, const TensorC& coords, int valid_rows, int head_dim,
                                                   RowPointer row_pointer) {
   using namespace cute;
-  using Vector = cute::uint128_t;
+  const Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element> zfill;
   CUTE_UNROLL
   for (int m = 0; m < size<1>(dst); ++m) {
     const int row = get<0>(coords(0, m, 0));
-    const Element* src = row < valid_rows ? row_pointer(row) : nullptr;
+    const bool row_ok = row < valid_rows;
+    const Element* src = row_pointer(row_ok ? row : 0);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(dst); ++k) {
       const int col = get<1>(coords(0, m, k));
-      if (src && col < head_dim) {
-        auto& dst_vector = *reinterpret_cast<Vector*>(raw_pointer_cast(dst(_, m, k).data()));
-        SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src + col), dst_vector);
-      } else {
-        clear(dst(_, m, k));
-      }
+      const bool ok = row_ok && col < head_dim;
+      Tensor vector = make_tensor(make_gmem_ptr(src + (ok ? col : 0)), make_layout(shape(dst(_, m, k))));
+      copy(zfill.with(ok), vector, dst(_, m, k));
     }
   }
 }

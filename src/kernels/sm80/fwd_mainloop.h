@@ -21,14 +21,8 @@
 
 namespace flash_dmattn::kernels::sm80 {
 
-// Where a CTA's keys come from: the key tiles of the span the tile summary leaves active, or the
-// key list of the gather path (ForwardParams::lists).
-enum class KeySource { tiles, lists };
-
 // The gather path's shared memory past the tiles' [Q][K][V]: a second K/V buffer [K'][V'], then
-// the list's staged keys and row bits, kGatherStages chunks of them (two ahead of the chunk that
-// computes, one for the gathers in flight).
-inline constexpr int kGatherStages = 3;
+// the list's staged keys and row bits (kForwardGatherStages chunks of them).
 
 template <typename Traits>
 constexpr int gather_staging_offset() {
@@ -38,7 +32,7 @@ constexpr int gather_staging_offset() {
 
 template <typename Traits>
 constexpr int gather_smem_bytes() {
-  return gather_staging_offset<Traits>() + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kGatherStages>::kSmemBytes;
+  return gather_staging_offset<Traits>() + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kForwardGatherStages>::kSmemBytes;
 }
 
 template <typename Traits, KeySource kSource>
@@ -113,7 +107,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   OnlineSoftmax<kRows> softmax;
   softmax.init();
 
-  copy_q_rows_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
+  copy_rows_by_pointer_async<Element>(tQsQ, tQcQ, tile_rows, p.head_dim, [&](int row) {
     const int packed = row0 + row;
     return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
@@ -146,7 +140,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     // another for its V rows: instead chunk c + 1's K and V rows are gathered into the second
     // K/V buffer while chunk c computes (its keys were staged a chunk earlier still), and each
     // chunk waits once, behind the previous one's math.
-    GatheredKeys<kBlockM, kBlockN, kGatherStages> list(p.lists, b, rows.head(row0), rows.query(row0),
+    GatheredKeys<kBlockM, kBlockN, kForwardGatherStages> list(p.lists, b, rows.head(row0), rows.query(row0),
                                                        smem + gather_staging_offset<Traits>());
     const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
     const int begin = min(list.chunks(), split * per_split), end = min(list.chunks(), begin + per_split);

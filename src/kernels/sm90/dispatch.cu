@@ -13,6 +13,8 @@ namespace flash_dmattn::kernels::sm90 {
 template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>
+cudaError_t run_gather_forward(const ForwardParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream);
 
 bool has_forward(ElementType element, int head_dim) {
@@ -20,6 +22,12 @@ bool has_forward(ElementType element, int head_dim) {
 #define FDMA_SM90_HAS(dtype, cutlass_type, hdim) \
   if (element == ElementType::dtype && bucket == hdim) return true;
   FDMA_SM90_FORWARD_KERNELS(FDMA_SM90_HAS)
+  return false;
+}
+
+bool has_gather_forward(ElementType element, int head_dim) {
+  [[maybe_unused]] const int bucket = sm80::head_dim_bucket(head_dim);
+  FDMA_SM90_GATHER_FORWARD_KERNELS(FDMA_SM90_HAS)
   return false;
 }
 
@@ -34,6 +42,13 @@ cudaError_t forward(const ForwardParams& params, cudaStream_t stream) {
   [[maybe_unused]] const int bucket = sm80::head_dim_bucket(params.head_dim);
 #define FDMA_SM90_RUN(dtype, cutlass_type, hdim) \
   if (params.element == ElementType::dtype && bucket == hdim) return run_forward<cutlass_type, hdim>(params, stream);
+  if (params.lists.keys) {
+#define FDMA_SM90_RUN_GATHER(dtype, cutlass_type, hdim) \
+  if (params.element == ElementType::dtype && bucket == hdim) return run_gather_forward<cutlass_type, hdim>(params, stream);
+    FDMA_SM90_GATHER_FORWARD_KERNELS(FDMA_SM90_RUN_GATHER)
+#undef FDMA_SM90_RUN_GATHER
+    return cudaErrorNotSupported;
+  }
   FDMA_SM90_FORWARD_KERNELS(FDMA_SM90_RUN)
 #undef FDMA_SM90_RUN
   return cudaErrorNotSupported;

@@ -10,8 +10,12 @@ namespace flash_dmattn::kernels::sm90 {
 // Whether this build includes the sm90a forward (backward) for `element` at head_dim's bucket.
 bool has_forward(ElementType element, int head_dim);
 bool has_backward(ElementType element, int head_dim);
+// Whether it includes the sm90a gather forward (FLASH_DMATTN_SM90A_GATHER) there.
+bool has_gather_forward(ElementType element, int head_dim);
 
-// Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host.
+// Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host. With key
+// lists (params.lists.keys) the gather forward, whose lists the host built for
+// sm90::forward_tile(head_dim, KvLoads::cp_async).
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
 // The main backward kernel only, on the grid of sm90::backward_tile; the host runs the passes
 // around it (grad_passes.h).

@@ -40,3 +40,17 @@ __device__ __forceinline__ auto forward_fragments(int tid, typename Traits::Elem
 }
 
 }  // namespace flash_dmattn::kernels::sm90
+
+// Declares a named reference to each part of forward_fragments' tuple `fragments`, in its order:
+// both main loops are lambdas, and C++17 lambdas cannot capture a structured binding.
+#define FDMA_NAME_FORWARD_FRAGMENTS(fragments) \
+  auto& mma_s = cute::get<0>(fragments); \
+  auto& mma_o = cute::get<1>(fragments); \
+  auto& tSrQ = cute::get<2>(fragments); \
+  auto& tSrK = cute::get<3>(fragments); \
+  auto& tOrV = cute::get<4>(fragments); \
+  auto& acc_s = cute::get<5>(fragments); \
+  auto& acc_o = cute::get<6>(fragments); \
+  auto& tOrP = cute::get<7>(fragments); \
+  auto& tScS = cute::get<8>(fragments); \
+  auto& tOcO = cute::get<9>(fragments)

@@ -54,19 +54,8 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
   const RowMap rows{1, h, p.seqlen_q};
   const int row0 = m_block * kBlockM;
 
-  // Named references rather than a structured binding: the main loop below is a lambda, and
-  // C++17 lambdas cannot capture structured bindings.
   auto fragments = forward_fragments<Traits>(tid, storage.q.data(), storage.k.data(), storage.v.data());
-  auto& mma_s = get<0>(fragments);
-  auto& mma_o = get<1>(fragments);
-  auto& tSrQ = get<2>(fragments);
-  auto& tSrK = get<3>(fragments);
-  auto& tOrV = get<4>(fragments);
-  auto& acc_s = get<5>(fragments);
-  auto& acc_o = get<6>(fragments);
-  auto& tOrP = get<7>(fragments);
-  auto& tScS = get<8>(fragments);
-  auto& tOcO = get<9>(fragments);
+  FDMA_NAME_FORWARD_FRAGMENTS(fragments);
   Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
 
