@@ -197,8 +197,8 @@ kernels::KeyListExtent forward_list_extent(const TensorView& mask, const Problem
 }
 
 // The gather forward's kernel family: sm90a where the build has its gather forward (the CMake
-// option FLASH_DMATTN_SM90A_GATHER: correct, not yet faster than the sm80 one, see
-// docs/architecture.md) and the family choice allows sm90a (FLASH_DMATTN_KERNELS=sm80 forces sm80).
+// option FLASH_DMATTN_SM90A_GATHER, not yet tested in full: docs/architecture.md) and the family
+// choice allows sm90a (FLASH_DMATTN_KERNELS=sm80 forces sm80).
 KernelFamily gather_forward_family(const Problem& p, int arch) {
   if (!kernels::sm90::has_gather_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) return KernelFamily::sm80;
   return choose_family(p, arch, Pass::forward);
@@ -207,7 +207,7 @@ KernelFamily gather_forward_family(const Problem& p, int arch) {
 // The lists a gather forward of `family` reads: its kernel's tile.
 kernels::KeyListExtent gather_forward_lists(KernelFamily family, const TensorView& source, const Problem& p) {
   if (family == KernelFamily::sm80) return forward_list_extent(source, p);
-  const auto tile = kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::cp_async);
+  const auto tile = kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::tma_producer);
   return list_extent(source, p, tile.block_m, tile.block_n);
 }
 

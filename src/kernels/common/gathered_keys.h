@@ -35,7 +35,10 @@ struct GatheredKeys {
   const std::uint32_t* row_bits;
   int count;
   int first_query;  // the query row of the list's row-bit row 0
-  std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer c % kStages
+  std::uint32_t* staged;  // kSmemBytes of shared memory: chunk c in buffer slot(c)
+  // Chunk first_chunk is staged in buffer 0: a pipeline whose stages start at a split's first
+  // chunk sets it, so that a chunk's staging shares its stage index.
+  int first_chunk = 0;
 
   // The list of the query tile of kBlockM query rows that holds query row `query`, for mask head
   // query_head / head_divisor. A CTA of GQA-packed rows (the query heads of one KV head, a few
@@ -52,11 +55,12 @@ struct GatheredKeys {
 
   __device__ __forceinline__ int chunks() const { return (count + kBlockN - 1) / kBlockN; }
 
+  __device__ __forceinline__ int slot(int c) const { return (c - first_chunk) % kStages; }
   __device__ __forceinline__ const int* staged_keys(int c) const {
-    return reinterpret_cast<const int*>(staged + (c % kStages) * kStageWords);
+    return reinterpret_cast<const int*>(staged + slot(c) * kStageWords);
   }
   __device__ __forceinline__ const std::uint32_t* staged_row_bits(int c) const {
-    return staged + (c % kStages) * kStageWords + kBlockN;
+    return staged + slot(c) * kStageWords + kBlockN;
   }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
@@ -66,7 +70,7 @@ struct GatheredKeys {
   // past Sq and of positions past the list's end): apply() never lets them decide anything.
   __device__ __forceinline__ void stage(int c, int thread, int threads) const {
     using Vector = cute::uint128_t;
-    std::uint32_t* dst = staged + (c % kStages) * kStageWords;
+    std::uint32_t* dst = staged + slot(c) * kStageWords;
     const int valid = count - c * kBlockN;
     for (int v = thread; v < kStageWords / 4; v += threads) {
       const std::uint32_t* src;

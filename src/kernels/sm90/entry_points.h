@@ -15,7 +15,7 @@ bool has_gather_forward(ElementType element, int head_dim);
 
 // Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host. With key
 // lists (params.lists.keys) the gather forward, whose lists the host built for
-// sm90::forward_tile(head_dim, KvLoads::cp_async).
+// sm90::forward_tile(head_dim, KvLoads::tma_producer).
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
 // The main backward kernel only, on the grid of sm90::backward_tile; the host runs the passes
 // around it (grad_passes.h).

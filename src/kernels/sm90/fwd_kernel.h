@@ -1,8 +1,8 @@
 // The sm90a forward kernel entries and their launch: one CTA per (query tile, query head, batch,
 // split). Q, K and V that TMA can address go to the warp-specialized kernel; any others (strides
 // or bases off 16 bytes) to the one whose threads load with cp.async. The gather path (key
-// lists, whose rows TMA cannot gather) runs the cp.async kernel over the lists, in translation
-// units of its own (FLASH_DMATTN_SM90A_GATHER).
+// lists) has a warp-specialized kernel of its own (fwd_gather_warp_specialized.h), in
+// translation units of its own (FLASH_DMATTN_SM90A_GATHER).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,18 +11,19 @@
 #include "kernels/common/forward_grid.h"
 #include "kernels/common/launch.h"
 #include "kernels/params.h"
+#include "kernels/sm90/fwd_gather_warp_specialized.h"
 #include "kernels/sm90/fwd_mainloop.h"
 #include "kernels/sm90/fwd_warp_specialized.h"
 #include "kernels/sm90/tma_rows.h"
 
 namespace flash_dmattn::kernels::sm90 {
 
-template <typename Traits, KeySource kSource>
+template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
-  forward_tile<Traits, kSource>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+  forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
 template <typename Traits>
@@ -48,7 +49,7 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   const bool tma = params.pack_group == 1 && operands.addressable();
   if (!tma) {
     using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
-    return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
+    return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
   }
 
   using Traits = ForwardTraits<Element, kHeadDim, KvLoads::tma_producer>;
@@ -65,16 +66,24 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
                                                  Traits::kNThreads, stream);
 }
 
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    forward_gather_kernel(const __grid_constant__ ForwardParams params) {
+  extern __shared__ __align__(1024) char smem[];
+  const ForwardCta cta = forward_cta(params, Traits::kBlockM);
+  forward_tile_gathered<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+}
+
 // The gather path: params.lists holds the key lists of the kernel's tile.
 template <typename Element, int kHeadDim>
 cudaError_t run_gather_forward(const ForwardParams& params, cudaStream_t stream) {
-  using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
+  using Traits = GatherForwardTraits<Element, kHeadDim>;
   // Lists built for another tile would have their row bits read at the wrong places.
   if (params.pack_group != 1 || params.lists.block_m != Traits::kBlockM || params.lists.block_n != Traits::kBlockN) {
     return cudaErrorInvalidValue;
   }
-  return launch_query_tiles<gather_smem_bytes<Traits>()>(&forward_kernel<Traits, KeySource::lists>, params, params,
-                                                         Traits::kBlockM, Traits::kNThreads, stream);
+  return launch_query_tiles<Traits::kSmemBytes>(&forward_gather_kernel<Traits>, params, params, Traits::kBlockM,
+                                                Traits::kNThreads, stream);
 }
 
 }  // namespace flash_dmattn::kernels::sm90

@@ -4,15 +4,12 @@
 // where the P·V wgmma of the previous tile runs while this tile's mask, bias and softmax do
 // (the MMA reads P from registers, so this tile's P goes to other registers, and the output is
 // rescaled once the MMA is done). K of the next tile and V of this one load by cp.async behind
-// the math into two stages each. The gather path runs the same loop over chunks of the CTA's
-// key list (gathered_keys.h): the K and V rows of a chunk are gathered by cp.async, and each
-// row's keep bits, staged with the chunk's keys, mask its logits.
+// the math into two stages each.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "kernels/common/forward_epilogue.h"
-#include "kernels/common/gathered_keys.h"
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
@@ -24,14 +21,8 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-// The gather kernel's shared memory: the tiles' [Q][K][V], then the list's staged chunks.
-template <typename Traits>
-constexpr int gather_smem_bytes() {
-  return Traits::kSmemBytes + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kForwardGatherStages>::kSmemBytes;
-}
-
 // The host runs this kernel without GQA packing (pack_group = 1): a CTA serves one query head.
-template <typename Traits, KeySource kSource>
+template <typename Traits>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int h, int b, int split) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -56,8 +47,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_q + cosize(typename Traits::SmemLayoutQ{});
   Element* smem_v = smem_k + cosize(typename Traits::SmemLayoutK{});
-  auto fragments = forward_fragments<Traits>(tid, smem_q, smem_k, smem_v);
-  FDMA_NAME_FORWARD_FRAGMENTS(fragments);
+  auto [mma_s, mma_o, tSrQ, tSrK, tOrV, acc_s, acc_o, tOrP, tScS, tOcO] = forward_fragments<Traits>(tid, smem_q, smem_k, smem_v);
   Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
 
@@ -77,52 +67,58 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   const typename Traits::Policy policy(p, b, rows, row0, tScS);
-  copy_rows_async(tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);  // fenced with the first K
+  typename Traits::Policy::TileInputs inputs;  // bias and mask bits of a tile, loaded while its S computes
+  SplitTileWalk<typename Traits::Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
   OnlineSoftmax<Traits::kRows> softmax;
   softmax.init();
   float correction[Traits::kRows];
 
-  // The loop over a key source, given as: the first key block (tile or chunk; -1: none),
-  // after(n) (the next one, -1 past the last), load_k / load_v(n, stage) (cp.async, unfenced),
-  // prepare(n) (issues the loads that logits() of n reads) and logits(acc_s, n).
-  auto main_loop = [&](int n_block, auto&& after, auto&& load_k, auto&& load_v, auto&& prepare,
-                       auto&& logits) CUTLASS_LAMBDA_FUNC_INLINE {
-    if (n_block >= 0) load_k(n_block, 0);
-    cp_async_fence();
-    if (n_block < 0) return;
-    // The first block: nothing to overlap its softmax with.
+  auto load = [&](auto& src, auto& dst, int n_block, int stage) {
+    copy_rows_async(src(_, _, _, n_block), dst(_, _, _, stage), tKVcKV, p.seqlen_k - n_block * kBlockN,
+                    p.head_dim);
+  };
+
+  copy_rows_async(tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+  int n_block = tiles.first();
+  if (n_block >= 0) load(tKgK, tKsK, n_block, 0);
+  cp_async_fence();
+
+  if (n_block >= 0) {
+    // The first tile: nothing to overlap its softmax with.
     int stage = 0;
+    bool elementwise = tiles.needs_elementwise(n_block);
     await_tiles();
     wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-    int next = after(n_block);
-    load_v(n_block, stage);
-    if (next >= 0) load_k(next, stage ^ 1);
+    int next = tiles.at_or_below(n_block - 1);
+    load(tVgV, tVsV, n_block, stage);
+    if (next >= 0) load(tKgK, tKsK, next, stage ^ 1);
     cp_async_fence();
-    prepare(n_block);
+    policy.load_inputs(inputs, tScS, n_block, elementwise);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
-    logits(acc_s, n_block);
+    policy.apply(acc_s, tScS, n_block, elementwise, inputs);
     softmax.fold(acc_s_rows, correction);
     convert_fragment_into(acc_s, tOrP);
 
     while (next >= 0) {
       n_block = next;
       stage ^= 1;
-      // K of this block and V of the last one landed; every warpgroup is done with the stages
+      elementwise = tiles.needs_elementwise(n_block);
+      // K of this tile and V of the last one landed; every warpgroup is done with the stages
       // that the next loads overwrite (its MMAs of the last iteration completed).
       await_tiles();
       // The MMAs first, so that the tensor cores start while this thread issues the loads: they
-      // write the other stages (V of this block, K of the next).
+      // write the other stages (V of this tile, K of the next).
       wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
       wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, stage ^ 1), acc_o);
-      next = after(n_block);
-      load_v(n_block, stage);
-      if (next >= 0) load_k(next, stage ^ 1);
+      next = tiles.at_or_below(n_block - 1);
+      load(tVgV, tVsV, n_block, stage);
+      if (next >= 0) load(tKgK, tKsK, next, stage ^ 1);
       cp_async_fence();
-      prepare(n_block);
-      warpgroup_wait<1>();  // S of this block; the last block's P·V may still run
+      policy.load_inputs(inputs, tScS, n_block, elementwise);
+      warpgroup_wait<1>();  // S of this tile; the last tile's P·V may still run
       warpgroup_fence_operand(acc_s);
-      logits(acc_s, n_block);
+      policy.apply(acc_s, tScS, n_block, elementwise, inputs);
       const bool rescale_o = softmax.fold(acc_s_rows, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
@@ -131,58 +127,10 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       convert_fragment_into(acc_s, tOrP);
     }
 
-    await_tiles();  // V of the last block
+    await_tiles();  // V of the last tile
     wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
-  };
-
-  if constexpr (kSource == KeySource::lists) {
-    // A split takes an equal share of the list's chunks, [begin, end). Chunk c's keys are staged
-    // with the gather of chunk c - 1's K rows (slot c % 3: the slot of chunk c - 3, whose last
-    // reader, chunk c - 3's V gather and logits, finished before chunk c - 2 began), so they have
-    // landed by the barrier before chunk c - 1's iteration gathers K of chunk c.
-    GatheredKeys<kBlockM, kBlockN, kForwardGatherStages> list(p.lists, b, h, row0, smem + Traits::kSmemBytes);
-    const int per_split = (list.chunks() + p.num_splits - 1) / p.num_splits;
-    const int begin = min(list.chunks(), split * per_split), end = min(list.chunks(), begin + per_split);
-    const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
-    const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
-    if (begin < end) {
-      list.stage(begin, tid, Traits::kMmaThreads);
-      cp_async_fence();
-      cp_async_wait<0>();
-      __syncthreads();
-    }
-    main_loop(
-        begin < end ? begin : -1, [&](int c) CUTLASS_LAMBDA_FUNC_INLINE { return c + 1 < end ? c + 1 : -1; },
-        [&](int c, int stage) CUTLASS_LAMBDA_FUNC_INLINE {
-          list.load(tKsK(_, _, _, stage), tKVcKV, c, k_rows, p.k_row_stride, p.head_dim);
-          if (c + 1 < end) list.stage(c + 1, tid, Traits::kMmaThreads);
-        },
-        [&](int c, int stage) CUTLASS_LAMBDA_FUNC_INLINE {
-          list.load(tVsV(_, _, _, stage), tKVcKV, c, v_rows, p.v_row_stride, p.head_dim);
-        },
-        [](int) {},
-        [&](auto& s, int c) CUTLASS_LAMBDA_FUNC_INLINE {
-          policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE { list.apply(kind, policy, s, tScS, c); });
-        });
-  } else {
-    typename Traits::Policy::TileInputs inputs;  // bias and mask bits of a tile, loaded while its S computes
-    SplitTileWalk<typename Traits::Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
-    bool elementwise = false;
-    auto load = [&](auto& src, auto& dst, int n_block, int stage) CUTLASS_LAMBDA_FUNC_INLINE {
-      copy_rows_async(src(_, _, _, n_block), dst(_, _, _, stage), tKVcKV, p.seqlen_k - n_block * kBlockN,
-                      p.head_dim);
-    };
-    main_loop(
-        tiles.first(), [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE { return tiles.at_or_below(n_block - 1); },
-        [&](int n_block, int stage) CUTLASS_LAMBDA_FUNC_INLINE { load(tKgK, tKsK, n_block, stage); },
-        [&](int n_block, int stage) CUTLASS_LAMBDA_FUNC_INLINE { load(tVgV, tVsV, n_block, stage); },
-        [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
-          elementwise = tiles.needs_elementwise(n_block);
-          policy.load_inputs(inputs, tScS, n_block, elementwise);
-        },
-        [&](auto& s, int n_block) CUTLASS_LAMBDA_FUNC_INLINE { policy.apply(s, tScS, n_block, elementwise, inputs); });
   }
 
   // Epilogue. Q's shared memory becomes O's once every copy into it has landed and every

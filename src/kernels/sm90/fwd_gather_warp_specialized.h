@@ -1,0 +1,244 @@
+// The sm90a gather forward, warp-specialized: the keys of a CTA come from its key list (the gather
+// path, gathered_keys.h), whose rows TMA cannot gather before Blackwell. Three warpgroups:
+//  - the producer (warpgroup 0): all 128 threads gather each chunk's K rows, and a chunk later its
+//    V rows, with 16-byte cp.async into two-stage mbarrier pipelines (CUTLASS's PipelineAsync;
+//    each thread's arrival fires when its copies have landed), staging each chunk's keys and row
+//    keep bits with its K rows;
+//  - two consumers of 64 query rows each, sharing the list and its gathered rows: the loop of
+//    fwd_warp_specialized.h, with each chunk's logits masked by the staged row bits.
+// Q is loaded by the consumers themselves, once.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+#include <cstdint>
+
+#include "kernels/common/forward_epilogue.h"
+#include "kernels/common/fragment_layouts.h"
+#include "kernels/common/gathered_keys.h"
+#include "kernels/common/mask_bias.h"
+#include "kernels/common/softmax.h"
+#include "kernels/common/tile_copy.h"
+#include "kernels/params.h"
+#include "kernels/sm90/fwd_fragments.h"
+#include "kernels/sm90/fwd_traits.h"
+#include "kernels/sm90/warp_specialization.h"
+#include "kernels/sm90/wgmma.h"
+
+namespace flash_dmattn::kernels::sm90 {
+
+// The dense warp-specialized kernel's tiles, MMAs and layouts (128 x 128 tiles at every head dim),
+// with cp.async pipelines and the lists' staging in place of TMA and the bias row.
+template <typename Element_, int kHeadDim_>
+struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer> {
+  using Base = ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer>;
+  using Pipeline = cutlass::PipelineAsync<Base::kStages>;
+  using Keys = GatheredKeys<Base::kBlockM, Base::kBlockN, Base::kStages>;
+  // The producer's copies: its 128 threads across rows of up to 64 elements.
+  using GmemTiledCopyKV = typename GmemRowCopies<Element_, 128, Base::kGmemRowElems>::Async;
+  // A producer thread holds row addresses and copy coordinates: more than the dense kernel's 24
+  // registers; 40 · 128 + 232 · 2 · 128 fits the SM's 64K.
+  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+
+  struct SharedStorage {
+    alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutQ>> q;
+    alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutK>> k;
+    alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutVt>> v;
+    alignas(16) cute::array<std::uint32_t, Keys::kSmemBytes / 4> staging;  // a chunk's per K stage
+    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+};
+
+// The chunks [begin, end) of the CTA's list that split `split` takes: an equal share.
+struct ChunkShare {
+  int begin, end;
+  __device__ __forceinline__ ChunkShare(int chunks, int splits, int split) {
+    const int per_split = (chunks + splits - 1) / splits;
+    begin = min(chunks, split * per_split);
+    end = min(chunks, begin + per_split);
+  }
+};
+
+// The producer: per chunk c, K rows and staging of c, then V rows of c - 1 (the consumers read K
+// of a chunk with V of the one before).
+template <typename Traits>
+__device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename Traits::SharedStorage& storage,
+                                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                                               const typename Traits::Keys& list, ChunkShare share, int b, int h) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int tid = threadIdx.x;  // 0..127
+  const int kv_h = h / (p.heads / p.kv_heads);
+  typename Traits::GmemTiledCopyKV gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tKsK = gmem_thr.partition_D(  // (CPY, rows, cols, stage)
+      as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{})));
+  Tensor tVsV = gmem_thr.partition_D(
+      as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{})));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
+  const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
+
+  auto state_k = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  auto state_v = state_k;
+  // Rows of chunk c: the list's keys read from global memory (the staging is for the consumers).
+  auto gather = [&](auto&& dst, int c, const Element* rows, std::int64_t row_stride) CUTLASS_LAMBDA_FUNC_INLINE {
+    const int* keys = list.keys + c * kBlockN;
+    copy_rows_by_pointer_async<Element>(dst, tKVcKV, list.count - c * kBlockN, p.head_dim,
+                                        [&](int row) { return rows + __ldg(keys + row) * row_stride; });
+  };
+  auto load_v = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {
+    pipe_v.producer_acquire(state_v);
+    gather(tVsV(_, _, _, state_v.index()), c, v_rows, p.v_row_stride);
+    pipe_v.producer_commit(state_v, cutlass::arch::cpasync_barrier_arrive);
+    ++state_v;
+  };
+  for (int c = share.begin; c < share.end; ++c) {
+    pipe_k.producer_acquire(state_k);
+    gather(tKsK(_, _, _, state_k.index()), c, k_rows, p.k_row_stride);
+    list.stage(c, tid, 128);  // into slot state_k.index(): list.first_chunk is share.begin
+    pipe_k.producer_commit(state_k, cutlass::arch::cpasync_barrier_arrive);
+    ++state_k;
+    if (c > share.begin) load_v(c - 1);
+  }
+  if (share.begin < share.end) load_v(share.end - 1);
+}
+
+// A consumer: warpgroup 1 or 2, query rows 64·(warpgroup - 1) of the tile, over the chunks of
+// the share, in list order.
+template <typename Traits>
+__device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename Traits::SharedStorage& storage,
+                                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                                               const typename Traits::Keys& list, ChunkShare share, int m_block,
+                                               int h, int b, int split) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  const ConsumerThreads threads;
+  const int tid = threads.index();
+  const WgmmaTurns turns{tid / 128};
+  const RowMap rows{1, h, p.seqlen_q};
+  const int row0 = m_block * kBlockM;
+
+  // Q by cp.async from both consumers, visible to wgmma once every consumer thread's copies have
+  // landed and been fenced.
+  {
+    typename Traits::GmemTiledCopyQKV gmem_copy;
+    auto gmem_thr = gmem_copy.get_thread_slice(tid);
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q), make_shape(p.seqlen_q, p.head_dim), make_stride(p.q_row_stride, _1{})),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    Tensor tQsQ = gmem_thr.partition_D(as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{})));
+    copy_rows_async(gmem_thr.partition_S(gQ), tQsQ, gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})),
+                    p.seqlen_q - row0, p.head_dim);
+    cp_async_fence();
+    cp_async_wait<0>();
+    cutlass::arch::fence_view_async_shared();
+    threads.sync();
+  }
+
+  auto fragments = forward_fragments<Traits>(tid, storage.q.data(), storage.k.data(), storage.v.data());
+  FDMA_NAME_FORWARD_FRAGMENTS(fragments);
+  Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+  Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
+
+  const typename Traits::Policy policy(p, b, rows, row0, tScS);
+  OnlineSoftmax<Traits::kRows> softmax;
+  softmax.init();
+  float correction[Traits::kRows];
+  bool rescale_o = false;  // the last fold moved some row's reference max: O needs correction[]
+
+  // Gathered rows are written by cp.async, through the generic proxy; wgmma reads through the
+  // async proxy: a full barrier's completion orders the copies before this thread, and the
+  // fence then orders them before its wgmmas.
+  auto wait_full = [](auto& pipe, auto& state) CUTLASS_LAMBDA_FUNC_INLINE {
+    pipe.consumer_wait(state);
+    cutlass::arch::fence_view_async_shared();
+  };
+
+  // The loop is compiled once per logit kind, as the dense kernel's.
+  if (share.begin < share.end) policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+    typename Traits::Pipeline::PipelineState state_k, state_v;
+    if (turns.self == 1) turns.pass();  // the first consumer takes the first turn
+
+    int c = share.begin;
+    wait_full(pipe_k, state_k);
+    turns.wait();
+    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+    turns.pass();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    list.apply(kind, policy, acc_s, tScS, c);
+    pipe_k.consumer_release(state_k);  // after apply(): the staged keys and bits share K's stage
+    ++state_k;
+    rescale_o = softmax.fold(acc_s_rows, correction);
+    convert_fragment_into(acc_s, tOrP);
+
+    for (++c; c < share.end; ++c) {
+      wait_full(pipe_k, state_k);
+      turns.wait();
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+      // No MMA writes O between S's issue and P·V's: the last chunk's rescale goes here.
+      if (rescale_o) softmax.rescale(acc_o_rows, correction);
+      wait_full(pipe_v, state_v);
+      wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+      turns.pass();
+      warpgroup_wait<1>();  // S of this chunk; the last chunk's P·V may still run
+      warpgroup_fence_operand(acc_s);
+      list.apply(kind, policy, acc_s, tScS, c);
+      pipe_k.consumer_release(state_k);
+      ++state_k;
+      rescale_o = softmax.fold(acc_s_rows, correction);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(tOrP);
+      pipe_v.consumer_release(state_v);
+      ++state_v;
+      convert_fragment_into(acc_s, tOrP);
+    }
+
+    if (rescale_o) softmax.rescale(acc_o_rows, correction);
+    wait_full(pipe_v, state_v);
+    wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    pipe_v.consumer_release(state_v);
+  });
+
+  // Each consumer's output rows overlay only its own rows of Q, which its last S = Q·Kᵀ has read.
+  write_forward_output<Traits>(p, reinterpret_cast<char*>(storage.q.data()), mma_o, acc_o, tOcO, softmax, rows, row0,
+                               b, split, threads);
+}
+
+template <typename Traits>
+__device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, char* smem, int m_block, int h, int b,
+                                                      int split) {
+  using Pipeline = typename Traits::Pipeline;
+  auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+  const int warpgroup = threadIdx.x / 128;
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.producer_arv_count = 128;
+  pipe_params.consumer_arv_count = kConsumerThreads;
+  Pipeline pipe_k(storage.pipeline_k, pipe_params);
+  Pipeline pipe_v(storage.pipeline_v, pipe_params);
+  __syncthreads();  // every barrier initialized before anyone waits on or arrives at one
+
+  typename Traits::Keys list(p.lists, b, h, m_block * Traits::kBlockM, reinterpret_cast<char*>(storage.staging.data()));
+  const ChunkShare share(list.chunks(), p.num_splits, split);
+  list.first_chunk = share.begin;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    produce_chunks<Traits>(p, storage, pipe_k, pipe_v, list, share, b, h);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume_chunks<Traits>(p, storage, pipe_k, pipe_v, list, share, m_block, h, b, split);
+  }
+}
+
+}  // namespace flash_dmattn::kernels::sm90
