@@ -318,7 +318,8 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
   if (a.indices) {
     // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
-    // straight from the entries for one query row, else through per-row bits (index_bits.h).
+    // straight from the entries where index_bits.cu's lists_direct allows (one query row, or
+    // short lists), else through per-row bits.
     plan.gather = true;
     plan.family = gather_forward_family(p, arch);
     plan.lists = gather_forward_lists(plan.family, *a.indices, p);
