@@ -225,13 +225,14 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
 
   // Calls f(kind) with this call's LogitKind: a main loop that runs inside f and passes the kind
   // to load_inputs() and apply() is compiled once per kind. staged: whether a producer stages
-  // the shared bias row in shared memory (16-bit values only).
-  template <typename F>
+  // the shared bias row in shared memory (16-bit values only); only a loop that can stage it
+  // (kMayStage) compiles the staged kinds, which the others would carry unused.
+  template <bool kMayStage = false, typename F>
   __device__ __forceinline__ void with_logit_kind(F&& f, bool staged = false) const {
     if (softcap > 0.f) {
-      with_bias_source<true>(f, staged);
+      with_bias_source<true, kMayStage>(f, staged);
     } else {
-      with_bias_source<false>(f, staged);
+      with_bias_source<false, kMayStage>(f, staged);
     }
   }
 
@@ -345,12 +346,12 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
   }
 
  private:
-  template <bool kSoftcap, typename F>
+  template <bool kSoftcap, bool kMayStage, typename F>
   __device__ __forceinline__ void with_bias_source(F& f, bool staged) const {
     if (!has_bias) {
       f(LogitKind<kSoftcap, BiasSource::none>{});
-    } else if (bias_shared_row && staged) {
-      with_bias_element<kSoftcap, BiasSource::staged_row>(f);
+    } else if (kMayStage && bias_shared_row && staged) {
+      if constexpr (kMayStage) with_bias_element<kSoftcap, BiasSource::staged_row>(f);
     } else if (bias_shared_row) {
       with_bias_element<kSoftcap, BiasSource::shared_row>(f);
     } else {
