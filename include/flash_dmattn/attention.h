@@ -70,6 +70,9 @@ struct PreparedMask {
   // Whether its forwards, and its backwards, take the gather path over the key lists it holds
   // (set by prepare_mask; a backward where the gather backward runs, else the tile path).
   bool gather_forward = false, gather_backward = false;
+  // Whether it also holds the forward's key lists for the sm90a gather kernel, whose tiles differ
+  // from those of the lists the backward reads (set by prepare_mask).
+  bool sm90a_forward_lists = false;
 
   bool lists() const { return gather_forward || gather_backward; }
 };

@@ -211,26 +211,53 @@ kernels::KeyListExtent gather_forward_lists(KernelFamily family, const TensorVie
   return list_extent(source, p, tile.block_m, tile.block_n);
 }
 
-// A prepared mask's memory: [tile summary][key lists, where it holds them].
+// The lists of the sm90a gather forward's tile: those a prepared mask holds besides
+// forward_list_extent's where that forward would run and its tile differs.
+kernels::KeyListExtent sm90a_forward_list_extent(const TensorView& mask, const Problem& p) {
+  return gather_forward_lists(KernelFamily::sm90a, mask, p);
+}
+
+bool same_tile(const kernels::KeyListExtent& a, const kernels::KeyListExtent& b) {
+  return a.block_m == b.block_m && a.block_n == b.block_n;
+}
+
+// A prepared mask's memory: [tile summary][key lists, where it holds them][the sm90a gather
+// forward's key lists, where it holds them].
 struct PreparedLayout {
-  std::size_t summary_bytes = 0, lists_bytes = 0;
+  std::size_t summary_bytes = 0, lists_bytes = 0, sm90a_lists_bytes = 0;
   std::size_t lists_offset() const { return align_up(summary_bytes); }
-  std::size_t bytes() const { return lists_offset() + align_up(lists_bytes); }
+  std::size_t sm90a_lists_offset() const { return lists_offset() + align_up(lists_bytes); }
+  std::size_t bytes() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes); }
 };
 
-PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists) {
+PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists, bool sm90a_lists) {
   PreparedLayout layout;
   layout.summary_bytes = kernels::tile_summary_bytes(mask_extent(mask, p));
   if (lists) layout.lists_bytes = kernels::key_lists_bytes(forward_list_extent(mask, p));
+  if (lists && sm90a_lists) layout.sm90a_lists_bytes = kernels::key_lists_bytes(sm90a_forward_list_extent(mask, p));
   return layout;
 }
 
-// Whether a call reads its lists from its prepared mask: one that holds lists of its tile.
+PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, const PreparedMask& prepared) {
+  return prepared_layout(mask, p, prepared.lists(), prepared.sm90a_forward_lists);
+}
+
+// Where a call's lists lie in its prepared mask, if it holds lists of their tile; else nullptr.
+const char* prepared_lists(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
+                           const Problem& p) {
+  if (!prepared || !prepared->lists()) return nullptr;
+  const char* memory = static_cast<const char*>(prepared->memory.data);
+  const PreparedLayout layout = prepared_layout(mask, p, *prepared);
+  if (same_tile(forward_list_extent(mask, p), wanted)) return memory + layout.lists_offset();
+  if (prepared->sm90a_forward_lists && same_tile(sm90a_forward_list_extent(mask, p), wanted)) {
+    return memory + layout.sm90a_lists_offset();
+  }
+  return nullptr;
+}
+
 bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
                     const Problem& p) {
-  if (!prepared || !prepared->lists()) return false;
-  const kernels::KeyListExtent held = forward_list_extent(mask, p);
-  return held.block_m == wanted.block_m && held.block_n == wanted.block_n;
+  return prepared_lists(prepared, wanted, mask, p) != nullptr;
 }
 
 // Whether a preparation makes room for key lists: where the gather path is possible and not
@@ -254,9 +281,8 @@ cudaError_t mask_summary(const TensorView& mask, const Problem& p, const Prepare
 cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& mask, const Problem& p,
                       const PreparedMask* prepared, const kernels::TileSummary& summary, void* workspace,
                       cudaStream_t stream, kernels::KeyLists* lists) {
-  if (lists_prepared(prepared, extent, mask, p)) {
-    *lists = kernels::describe_key_lists(
-        extent, static_cast<char*>(prepared->memory.data) + prepared_layout(mask, p, true).lists_offset());
+  if (const char* held = prepared_lists(prepared, extent, mask, p)) {
+    *lists = kernels::describe_key_lists(extent, const_cast<char*>(held));
     return cudaSuccess;
   }
   return kernels::build_key_lists(extent, summary, workspace, stream, lists);
@@ -271,6 +297,14 @@ bool smem_fits(int needed, const Problem& p) {
 // device: not at the largest head dims on GPUs with less than Hopper's and A100's.
 bool gather_forward_fits(const Problem& p) {
   return smem_fits(kernels::sm80::gather_forward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
+}
+
+// Whether a preparation also makes room for the sm90a gather forward's lists: where that forward
+// would run (gather_forward_family, on this device and FLASH_DMATTN_KERNELS) on lists of its own tile.
+bool sm90a_lists_room(const ForwardArgs& a, const Problem& p) {
+  return lists_room(a, p) && gather_forward_fits(p) &&
+         gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a &&
+         !same_tile(forward_list_extent(*a.mask, p), sm90a_forward_list_extent(*a.mask, p));
 }
 
 // Why a call with key indices cannot run, if it cannot: they are read on the gather path only
@@ -634,21 +668,24 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared) const override {
     if (!a.mask) return 0;
-    const bool lists = prepared ? prepared->lists() : lists_room(a, p);
-    return prepared_layout(*a.mask, p, lists).bytes();
+    if (prepared) return prepared_layout(*a.mask, p, *prepared).bytes();
+    return prepared_layout(*a.mask, p, lists_room(a, p), sm90a_lists_room(a, p)).bytes();
   }
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
     prepared->gather_forward = prepared->gather_backward = lists_room(a, p);
+    prepared->sm90a_forward_lists = prepared->lists() && sm90a_lists_room(a, p);
     if (!a.mask || p.empty()) return Status::success();
-    // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH, which may have
-    // changed since.
-    const std::size_t needed = prepared_layout(*a.mask, p, prepared->lists()).bytes();
+    // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH and
+    // FLASH_DMATTN_KERNELS, which may have changed since.
+    const PreparedLayout layout = prepared_layout(*a.mask, p, *prepared);
+    const std::size_t needed = layout.bytes();
     if (prepared->memory.bytes < needed) {
       return Status::error(StatusCode::invalid_argument,
                            "flash_dmattn.prepare_mask: argument 'prepared': memory: expected at least " +
                                std::to_string(needed) + " bytes (" + kSparsePathVariable +
-                               " changed since prepared_mask_size?), got " + std::to_string(prepared->memory.bytes));
+                               " or FLASH_DMATTN_KERNELS changed since prepared_mask_size?), got " +
+                               std::to_string(prepared->memory.bytes));
     }
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
@@ -659,8 +696,7 @@ class CudaSm80Backend final : public BackendImpl {
     if (!prepared->lists()) return Status::success();
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
     kernels::KeyLists lists;
-    e = kernels::build_key_lists(extent, summary, memory + prepared_layout(*a.mask, p, true).lists_offset(), stream,
-                                 &lists);
+    e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists);
     if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     if (sparse_path() == SparsePath::automatic) {
       double share = -1;
@@ -668,6 +704,16 @@ class CudaSm80Backend final : public BackendImpl {
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
       prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q) && gather_forward_fits(p);
       prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
+    }
+    // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
+    // forwards keep the tile path leaves their room unused.
+    if (prepared->sm90a_forward_lists && prepared->gather_forward) {
+      kernels::KeyLists sm90a_lists;
+      e = kernels::build_key_lists(sm90a_forward_list_extent(*a.mask, p), summary, memory + layout.sm90a_lists_offset(),
+                                   stream, &sm90a_lists);
+      if (e != cudaSuccess) return cuda_failure("the sm90a key-list launch", e);
+    } else {
+      prepared->sm90a_forward_lists = false;
     }
     return Status::success();
   }

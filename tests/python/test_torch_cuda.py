@@ -201,6 +201,37 @@ def test_prepared_mask_matches_the_mask(path, monkeypatch):
     assert prepared.nbytes > 0 and prepared.path == path
 
 
+def test_prepared_mask_holds_the_lists_of_the_forward_that_reads_them(monkeypatch):
+    """A preparation holds the key lists of the forward kernels that will run: with the sm90a
+    gather forward (a build with it, on sm_90) its 128 x 128 lists beside the ones the backward
+    reads (paths bit 2). Calls give what the bool mask gives, also after FLASH_DMATTN_KERNELS
+    changed between the preparation and the call (the call then builds the lists it needs)."""
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
+    monkeypatch.delenv("FLASH_DMATTN_KERNELS", raising=False)
+    case = make_case(1, 333, 301, 4, 2, 64, device="cuda", mask_shape=(1, 2, 333, 301), bias_shape=(1, 2, 1, 301),
+                     keep=0.1)
+    q, k, v, mask, bias = case["q"], case["k"], case["v"], case["mask"], case["bias"]
+
+    def call(attn_mask):
+        return flash_dmattn_func(q, k, v, attn_mask=attn_mask, attn_bias=bias, is_causal=True)
+
+    try:
+        prepared = flash_dmattn.prepare_mask(q, k, v, mask, is_causal=True)
+    except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
+        pytest.skip(str(error))
+    expected = call(mask)
+    assert torch.equal(call(prepared), expected)
+    monkeypatch.setenv("FLASH_DMATTN_KERNELS", "sm80")
+    prepared_sm80 = flash_dmattn.prepare_mask(q, k, v, mask, is_causal=True)
+    expected_sm80 = call(mask)
+    assert torch.equal(call(prepared), expected_sm80)
+    assert torch.equal(call(prepared_sm80), expected_sm80)
+    monkeypatch.delenv("FLASH_DMATTN_KERNELS")
+    assert torch.equal(call(prepared_sm80), expected)
+    # The sm90a lists take room of their own where they exist.
+    assert (prepared._prepared[2] & 4 != 0) == (prepared.nbytes > prepared_sm80.nbytes)
+
+
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
     the key lists hold at most half the causal span (src/cuda/sparse_path.h kGatherForwardShare), the
