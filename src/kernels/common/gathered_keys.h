@@ -2,7 +2,8 @@
 // key_lists.cu), walked in chunks of kBlockN keys. A chunk's keys and its rows' keep bits are
 // staged in shared memory by cp.async ahead of their use (kStages buffers: the forward stages a
 // chunk ahead, the backward two), so that gathering its K and V rows by cp.async and masking its
-// logits wait on no global load; the bias is read at the gathered keys' own columns.
+// logits wait on no global load; the bias is read at the gathered keys' own columns, or, where a
+// producer stages it (kStagesBias), gathered into shared memory beside the keys as floats.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -23,12 +24,14 @@ enum class KeySource { tiles, lists };
 // that computes, one for the gathers in flight.
 inline constexpr int kForwardGatherStages = 3;
 
-template <int kBlockM, int kBlockN, int kStages = 2>
+template <int kBlockM, int kBlockN, int kStages = 2, bool kStagesBias = false>
 struct GatheredKeys {
   static_assert(kBlockN % 32 == 0, "a chunk's row bits are whole words");
   static constexpr int kWords = kBlockN / 32;  // row bits per row per chunk
-  // One chunk's staging: its kBlockN keys, then kWords row-bit words per row.
-  static constexpr int kStageWords = kBlockN + kBlockM * kWords;
+  // One chunk's staging: its kBlockN keys, kWords row-bit words per row, then (kStagesBias) the
+  // shared bias row's value at each key, as a float.
+  static constexpr int kListWords = kBlockN + kBlockM * kWords;
+  static constexpr int kStageWords = kListWords + (kStagesBias ? kBlockN : 0);
   static constexpr int kSmemBytes = kStages * kStageWords * 4;
 
   const int* keys;  // this CTA's list, ascending
@@ -39,6 +42,11 @@ struct GatheredKeys {
   // Chunk first_chunk is staged in buffer 0: a pipeline whose stages start at a split's first
   // chunk sets it, so that a chunk's staging shares its stage index.
   int first_chunk = 0;
+  // kStagesBias: the bias row whose values stage_bias() gathers (set by stage_bias_row()),
+  // nullptr where the logits read the bias from global memory instead.
+  const char* bias_row = nullptr;
+  ElementType bias_type = ElementType::float16;
+  bool bias_key_broadcast = false;
 
   // The list of the query tile of kBlockM query rows that holds query row `query`, for mask head
   // query_head / head_divisor. A CTA of GQA-packed rows (the query heads of one KV head, a few
@@ -62,6 +70,43 @@ struct GatheredKeys {
   __device__ __forceinline__ const std::uint32_t* staged_row_bits(int c) const {
     return staged + slot(c) * kStageWords + kBlockN;
   }
+  __device__ __forceinline__ const float* staged_bias(int c) const {
+    return reinterpret_cast<const float*>(staged + slot(c) * kStageWords + kListWords);
+  }
+
+  // Stages the bias where every query row of (b, query head h) reads one row, the common
+  // (B, Hk, 1, Sk) bias: stage_bias() then gathers its values at the chunk's keys. Both roles of
+  // a CTA call it alike.
+  __device__ __forceinline__ void stage_bias_row(const ForwardParams& p, int b, int h) {
+    static_assert(kStagesBias, "this list has no room for bias values");
+    const BroadcastOperand& bias = p.bias;
+    if (bias.ptr == nullptr || bias.row_stride != 0) return;
+    const int bytes = bias.type == ElementType::float32 ? 4 : 2;
+    bias_row = static_cast<const char*>(bias.ptr) + bytes * (b * bias.batch_stride + (h / bias.head_divisor) * bias.head_stride);
+    bias_type = bias.type;
+    bias_key_broadcast = bias.col_stride == 0;
+  }
+
+  // Writes the bias values of chunk c (kStagesBias, bias_row set) into its staging with plain
+  // loads and stores (cp.async cannot copy 2 bytes, nor convert): the caller's barrier arrival
+  // releases them to the consumers.
+  __device__ __forceinline__ void stage_bias(int c, int thread, int threads) const {
+    static_assert(kStagesBias, "this list has no room for bias values");
+    float* dst = reinterpret_cast<float*>(staged + slot(c) * kStageWords + kListWords);
+    const int valid = min(count - c * kBlockN, kBlockN);
+    for (int j = thread; j < valid; j += threads) {
+      const int key = bias_key_broadcast ? 0 : __ldg(keys + c * kBlockN + j);
+      float value;
+      if (bias_type == ElementType::bfloat16) {
+        value = static_cast<float>(reinterpret_cast<const cute::bfloat16_t*>(bias_row)[key]);
+      } else if (bias_type == ElementType::float16) {
+        value = static_cast<float>(reinterpret_cast<const cute::half_t*>(bias_row)[key]);
+      } else {
+        value = reinterpret_cast<const float*>(bias_row)[key];
+      }
+      dst[j] = value;
+    }
+  }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
   // Every copy stays inside the list: its room is a multiple of 4 keys and its row bits hold every
@@ -72,7 +117,7 @@ struct GatheredKeys {
     using Vector = cute::uint128_t;
     std::uint32_t* dst = staged + slot(c) * kStageWords;
     const int valid = count - c * kBlockN;
-    for (int v = thread; v < kStageWords / 4; v += threads) {
+    for (int v = thread; v < kListWords / 4; v += threads) {
       const std::uint32_t* src;
       if (v < kBlockN / 4) {
         if (4 * v >= valid) continue;
@@ -114,34 +159,42 @@ struct GatheredKeys {
     // serve all of the thread's rows, and no per-column array stays live.
     const int* chunk = staged_keys(c);
     // The thread's columns lie at fixed offsets from its lowest one (the accumulator layout), so
-    // its rows' bits are shifted once to start there: each column then tests a bit whose position
-    // is known at compile time. Indexing the words by the column itself put them in local memory
-    // (the sm90a gather forward spilled 1.8 KB per thread).
+    // its rows' bits are shifted once to start there: each element then tests one bit whose
+    // position is known at compile time. Indexing the words by the column itself put them in
+    // local memory (the sm90a gather forward spilled 1.8 KB per thread). The words also fold in
+    // what hides whole rows (past Sq) and columns (past the list's end), once per chunk.
     const int lowest_col = get<1>(coords(0, 0));
     const int first_word = lowest_col / 32, shift = lowest_col % 32;
+    const int listed = count - c * kBlockN - lowest_col;  // offsets below it hold keys of the list
     std::uint32_t keep[kRows][kWords];  // the row's bits from lowest_col on
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       // A row's bits by its query row (with packing, rows of several heads share one); a row past
-      // Sq reads some row's and is hidden below.
+      // Sq reads some row's and is hidden.
       const int row = min(max(policy.row_index[r] - first_query, 0), kBlockM - 1);
+      const bool row_exists = policy.row_index[r] < policy.seqlen_q;
       const std::uint32_t* bits = staged_row_bits(c) + row * kWords;
       CUTE_UNROLL
       for (int w = 0; w < kWords; ++w) {
-        const int at = first_word + w;
+        const int at = first_word + w, below = listed - 32 * w;
         const std::uint32_t lo = at < kWords ? bits[at] : 0u, hi = at + 1 < kWords ? bits[at + 1] : 0u;
-        keep[r][w] = __funnelshift_r(lo, hi, shift);
+        const std::uint32_t in_list = below >= 32 ? ~0u : below <= 0 ? 0u : (1u << below) - 1u;
+        keep[r][w] = row_exists ? __funnelshift_r(lo, hi, shift) & in_list : 0u;
       }
     }
     const float logit_scale = Kind::kSoftcap ? policy.scale / policy.softcap : policy.scale;
     CUTE_UNROLL
     for (int col = 0; col < kCols; ++col) {
-      const int k = get<1>(coords(0, col)), at = c * kBlockN + k;
+      const int k = get<1>(coords(0, col));
       const int offset = k - lowest_col;  // a compile-time constant once the loop is unrolled
-      // The key at this column (key 0 past the list's end: its logit is discarded).
-      const int key = policy.bias_key_broadcast || at >= count ? 0 : chunk[k];
       float shared_bias = 0.f;
-      if constexpr (kBias) {
+      int key = 0;
+      if constexpr (Kind::kBias == BiasSource::staged_row) {
+        static_assert(kStagesBias, "a staged bias row needs a list that stages it");
+        shared_bias = staged_bias(c)[k];
+      } else if constexpr (kBias) {
+        // The key at this column (key 0 past the list's end: its logit is discarded).
+        key = policy.bias_key_broadcast || c * kBlockN + k >= count ? 0 : chunk[k];
         if (policy.bias_shared_row) shared_bias = static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[0])[key]);
       }
       CUTE_UNROLL
@@ -154,11 +207,12 @@ struct GatheredKeys {
         } else {
           z = s(r, col) * logit_scale;
         }
-        if constexpr (kBias) {
+        if constexpr (Kind::kBias == BiasSource::staged_row) {
+          z += shared_bias;
+        } else if constexpr (kBias) {
           z += policy.bias_shared_row ? shared_bias : static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[r])[key]);
         }
-        const bool visible = policy.row_index[r] < policy.seqlen_q && at < count &&
-                             ((keep[r][offset / 32] >> (offset % 32)) & 1u);
+        const bool visible = (keep[r][offset / 32] & (1u << (offset % 32))) != 0u;
         s(r, col) = visible ? z : -INFINITY;
         emit(r, col, s(r, col), dcap);
       }

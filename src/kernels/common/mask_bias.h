@@ -131,9 +131,15 @@ struct KeyTileClassifier {
 
 // Where a call's bias values come from: none; one row shared by every query row (a bias whose
 // query dim is 1, the common (B, Hk, 1, Sk) case: each key's value is loaded once per tile), read
-// from global memory or staged in shared memory next to each K tile by a producer (16-bit values
-// only); or a row per query row.
+// from global memory or staged in shared memory by a producer (BiasStaging: 16-bit values next to
+// each K tile, or floats at a key list's keys, the staged_row kind's element type then float); or
+// a row per query row.
 enum class BiasSource { none, shared_row, staged_row, per_row };
+
+// Whether and how a main loop's producer stages a shared bias row in shared memory: not at all,
+// its 16-bit values per key tile (the dense sm90a forward), or its values at a key list's keys as
+// floats (the sm90a gather forward, any bias type).
+enum class BiasStaging { none, sixteen_bit, as_float };
 
 // How a call forms its logits, fixed for the whole call: softcap or not, the bias source and the
 // bias's element type (float without bias). A main loop instantiated per kind
@@ -224,15 +230,15 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
   };
 
   // Calls f(kind) with this call's LogitKind: a main loop that runs inside f and passes the kind
-  // to load_inputs() and apply() is compiled once per kind. staged: whether a producer stages
-  // the shared bias row in shared memory (16-bit values only); only a loop that can stage it
-  // (kMayStage) compiles the staged kinds, which the others would carry unused.
-  template <bool kMayStage = false, typename F>
+  // to load_inputs() and apply() is compiled once per kind. staged: whether this call's producer
+  // stages the shared bias row as kStaging says; only a loop that can stage it compiles the
+  // staged kinds, which the others would carry unused.
+  template <BiasStaging kStaging = BiasStaging::none, typename F>
   __device__ __forceinline__ void with_logit_kind(F&& f, bool staged = false) const {
     if (softcap > 0.f) {
-      with_bias_source<true, kMayStage>(f, staged);
+      with_bias_source<true, kStaging>(f, staged);
     } else {
-      with_bias_source<false, kMayStage>(f, staged);
+      with_bias_source<false, kStaging>(f, staged);
     }
   }
 
@@ -346,12 +352,16 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
   }
 
  private:
-  template <bool kSoftcap, bool kMayStage, typename F>
+  template <bool kSoftcap, BiasStaging kStaging, typename F>
   __device__ __forceinline__ void with_bias_source(F& f, bool staged) const {
     if (!has_bias) {
       f(LogitKind<kSoftcap, BiasSource::none>{});
-    } else if (kMayStage && bias_shared_row && staged) {
-      if constexpr (kMayStage) with_bias_element<kSoftcap, BiasSource::staged_row>(f);
+    } else if (kStaging != BiasStaging::none && bias_shared_row && staged) {
+      if constexpr (kStaging == BiasStaging::sixteen_bit) {
+        with_bias_element<kSoftcap, BiasSource::staged_row>(f);
+      } else if constexpr (kStaging == BiasStaging::as_float) {
+        f(LogitKind<kSoftcap, BiasSource::staged_row, float>{});
+      }
     } else if (bias_shared_row) {
       with_bias_element<kSoftcap, BiasSource::shared_row>(f);
     } else {

@@ -1,9 +1,9 @@
 // The sm90a gather forward, warp-specialized: the keys of a CTA come from its key list (the gather
 // path, gathered_keys.h), whose rows TMA cannot gather before Blackwell. Three warpgroups:
 //  - the producer (warpgroup 0): all 128 threads gather each chunk's K rows, and a chunk later its
-//    V rows, with 16-byte cp.async into two-stage mbarrier pipelines (CUTLASS's PipelineAsync;
-//    each thread's arrival fires when its copies have landed), staging each chunk's keys and row
-//    keep bits with its K rows;
+//    V rows, with 16-byte cp.async into mbarrier pipelines (CUTLASS's PipelineAsync, 3 K stages;
+//    each thread's arrival fires when its copies have landed), staging each chunk's keys, row
+//    keep bits and (for a shared 16-bit bias row) bias values with its K rows;
 //  - two consumers of 64 query rows each, sharing the list and its gathered rows: the loop of
 //    fwd_warp_specialized.h, with each chunk's logits masked by the staged row bits.
 // Q is loaded by the consumers themselves, once.
@@ -14,6 +14,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/forward_epilogue.h"
 #include "kernels/common/fragment_layouts.h"
@@ -34,8 +35,17 @@ namespace flash_dmattn::kernels::sm90 {
 template <typename Element_, int kHeadDim_>
 struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer> {
   using Base = ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer>;
-  using Pipeline = cutlass::PipelineAsync<Base::kStages>;
-  using Keys = GatheredKeys<Base::kBlockM, Base::kBlockN, Base::kStages>;
+  // Gathers take longer to land than TMA tiles: K stages the producer can run ahead by, within
+  // the SM's 227 KB (D128: Q 32 KB, K 3 x 32, V 2 x 32, staging 9).
+  static constexpr int kStagesK = 3, kStagesV = kHeadDim_ <= 96 ? 3 : 2;
+  using SmemLayoutK = typename Base::template SmemLayoutKOf<kStagesK>;
+  using SmemLayoutVt = typename Base::template SmemLayoutVtOf<kStagesV>;
+  using SmemLayoutV = typename Base::template SmemLayoutVOf<kStagesV>;
+  using PipelineK = cutlass::PipelineAsync<kStagesK>;
+  using PipelineV = cutlass::PipelineAsync<kStagesV>;
+  // The bias values staged too: read from global memory after S, a chunk's values would wait on
+  // their keys and then on L2 with the MMAs idle.
+  using Keys = GatheredKeys<Base::kBlockM, Base::kBlockN, kStagesK, /*kStagesBias=*/true>;
   // The producer's copies: its 128 threads across rows of up to 64 elements.
   using GmemTiledCopyKV = typename GmemRowCopies<Element_, 128, Base::kGmemRowElems>::Async;
   // A producer thread holds row addresses and copy coordinates: more than the dense kernel's 24
@@ -44,12 +54,14 @@ struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_pro
 
   struct SharedStorage {
     alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutQ>> q;
-    alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutK>> k;
-    alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutVt>> v;
+    alignas(1024) cute::array<Element_, cute::cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array<Element_, cute::cosize_v<SmemLayoutVt>> v;
     alignas(16) cute::array<std::uint32_t, Keys::kSmemBytes / 4> staging;  // a chunk's per K stage
-    typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+    typename PipelineK::SharedStorage pipeline_k;
+    typename PipelineV::SharedStorage pipeline_v;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an SM offers a CTA");
 };
 
 // The chunks [begin, end) of the CTA's list that split `split` takes: an equal share.
@@ -66,7 +78,7 @@ struct ChunkShare {
 // of a chunk with V of the one before).
 template <typename Traits>
 __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename Traits::SharedStorage& storage,
-                                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                                               typename Traits::PipelineK& pipe_k, typename Traits::PipelineV& pipe_v,
                                                const typename Traits::Keys& list, ChunkShare share, int b, int h) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -83,8 +95,8 @@ __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename 
   const Element* k_rows = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
   const Element* v_rows = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
 
-  auto state_k = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  auto state_v = state_k;
+  auto state_k = cutlass::make_producer_start_state<typename Traits::PipelineK>();
+  auto state_v = cutlass::make_producer_start_state<typename Traits::PipelineV>();
   // Rows of chunk c: the list's keys read from global memory (the staging is for the consumers).
   auto gather = [&](auto&& dst, int c, const Element* rows, std::int64_t row_stride) CUTLASS_LAMBDA_FUNC_INLINE {
     const int* keys = list.keys + c * kBlockN;
@@ -101,6 +113,9 @@ __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename 
     pipe_k.producer_acquire(state_k);
     gather(tKsK(_, _, _, state_k.index()), c, k_rows, p.k_row_stride);
     list.stage(c, tid, 128);  // into slot state_k.index(): list.first_chunk is share.begin
+    // The bias values by plain stores, while the copies fly: the commit's arrival (made after
+    // the copies land by cp.async.mbarrier.arrive, without .noinc) is a plain release arrival.
+    if (list.bias_row) list.stage_bias(c, tid, 128);
     pipe_k.producer_commit(state_k, cutlass::arch::cpasync_barrier_arrive);
     ++state_k;
     if (c > share.begin) load_v(c - 1);
@@ -112,7 +127,7 @@ __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename 
 // the share, in list order.
 template <typename Traits>
 __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename Traits::SharedStorage& storage,
-                                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                                               typename Traits::PipelineK& pipe_k, typename Traits::PipelineV& pipe_v,
                                                const typename Traits::Keys& list, ChunkShare share, int m_block,
                                                int h, int b, int split) {
   using namespace cute;
@@ -161,9 +176,10 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
     cutlass::arch::fence_view_async_shared();
   };
 
-  // The loop is compiled once per logit kind, as the dense kernel's.
-  if (share.begin < share.end) policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
-    typename Traits::Pipeline::PipelineState state_k, state_v;
+  // The loop is compiled once per logit kind, as the dense kernel's; a staged bias row is a kind.
+  if (share.begin < share.end) policy.template with_logit_kind<BiasStaging::as_float>([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+    typename Traits::PipelineK::PipelineState state_k;
+    typename Traits::PipelineV::PipelineState state_v;
     if (turns.self == 1) turns.pass();  // the first consumer takes the first turn
 
     int c = share.begin;
@@ -208,7 +224,7 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipe_v.consumer_release(state_v);
-  });
+  }, list.bias_row != nullptr);
 
   // Each consumer's output rows overlay only its own rows of Q, which its last S = Q·Kᵀ has read.
   write_forward_output<Traits>(p, reinterpret_cast<char*>(storage.q.data()), mma_o, acc_o, tOcO, softmax, rows, row0,
@@ -218,20 +234,24 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
 template <typename Traits>
 __device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, char* smem, int m_block, int h, int b,
                                                       int split) {
-  using Pipeline = typename Traits::Pipeline;
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warpgroup = threadIdx.x / 128;
-  typename Pipeline::Params pipe_params;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.producer_arv_count = 128;
-  pipe_params.consumer_arv_count = kConsumerThreads;
-  Pipeline pipe_k(storage.pipeline_k, pipe_params);
-  Pipeline pipe_v(storage.pipeline_v, pipe_params);
-  __syncthreads();  // every barrier initialized before anyone waits on or arrives at one
-
   typename Traits::Keys list(p.lists, b, h, m_block * Traits::kBlockM, reinterpret_cast<char*>(storage.staging.data()));
   const ChunkShare share(list.chunks(), p.num_splits, split);
   list.first_chunk = share.begin;
+  list.stage_bias_row(p, b, h);
+  auto params = [&](auto* pipeline) {  // a null pointer names the pipeline type
+    using Pipeline = std::remove_pointer_t<decltype(pipeline)>;
+    typename Pipeline::Params pipe_params;
+    pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipe_params.producer_arv_count = 128;
+    pipe_params.consumer_arv_count = kConsumerThreads;
+    return pipe_params;
+  };
+  typename Traits::PipelineK pipe_k(storage.pipeline_k, params(static_cast<typename Traits::PipelineK*>(nullptr)));
+  typename Traits::PipelineV pipe_v(storage.pipeline_v, params(static_cast<typename Traits::PipelineV*>(nullptr)));
+  __syncthreads();  // every barrier initialized before anyone waits on or arrives at one
+
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     produce_chunks<Traits>(p, storage, pipe_k, pipe_v, list, share, b, h);

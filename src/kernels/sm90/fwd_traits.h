@@ -46,17 +46,24 @@ struct ForwardTraits {
 
   using SmemLayoutQ = decltype(cute::tile_to_shape(smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
                                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutK = decltype(cute::tile_to_shape(
+  // K and V tiles in shared memory, `stages` of each (the gather forward keeps more of K).
+  template <int kStagesOf>
+  using SmemLayoutKOf = decltype(cute::tile_to_shape(
       smem_atom<Element, kHeadDim, cute::GMMA::Major::K>(),
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesOf>>{}));
   // V as the P·V product reads it, (D, kBlockN, stage), and the same bytes as the loads write
   // them, (kBlockN, D, stage).
-  using SmemLayoutVt = decltype(cute::tile_to_shape(
+  template <int kStagesOf>
+  using SmemLayoutVtOf = decltype(cute::tile_to_shape(
       smem_atom<Element, kHeadDim, cute::GMMA::Major::MN>(),
-      cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using SmemLayoutV = decltype(cute::composition(
-      SmemLayoutVt{}, cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>,
-                                   cute::Stride<cute::Int<kHeadDim>, cute::_1, cute::Int<kHeadDim * kBlockN>>>{}));
+      cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStagesOf>>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  template <int kStagesOf>
+  using SmemLayoutVOf = decltype(cute::composition(
+      SmemLayoutVtOf<kStagesOf>{}, cute::Layout<cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesOf>>,
+                                                cute::Stride<cute::Int<kHeadDim>, cute::_1, cute::Int<kHeadDim * kBlockN>>>{}));
+  using SmemLayoutK = SmemLayoutKOf<kStages>;
+  using SmemLayoutVt = SmemLayoutVtOf<kStages>;
+  using SmemLayoutV = SmemLayoutVOf<kStages>;
   using SmemLayoutO = SmemLayoutQ;  // the output tile reuses Q's shared memory
 
   using SmemCopyAtomO = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;

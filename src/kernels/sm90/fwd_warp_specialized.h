@@ -71,7 +71,7 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
   int n_block = tiles.first();
   // The loop is compiled once per logit kind (LogitKind in mask_bias.h), each copy needing the
   // registers of its kind alone.
-  if (n_block >= 0) policy.template with_logit_kind<true>([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+  if (n_block >= 0) policy.template with_logit_kind<BiasStaging::sixteen_bit>([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
     typename Traits::Pipeline::PipelineState state_k, state_v;
     // The first consumer takes the first turn.
     if (turns.self == 1) turns.pass();
