@@ -674,7 +674,7 @@ class CudaSm80Backend final : public BackendImpl {
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
     prepared->gather_forward = prepared->gather_backward = lists_room(a, p);
-    prepared->sm90a_forward_lists = prepared->lists() && sm90a_lists_room(a, p);
+    prepared->sm90a_forward_lists = sm90a_lists_room(a, p);  // implies lists_room, so lists()
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH and
     // FLASH_DMATTN_KERNELS, which may have changed since.
