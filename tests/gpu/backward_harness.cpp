@@ -311,7 +311,8 @@ void GpuBackward::prepare() {
   const Status size = backward_workspace_size(args_, &bytes);
   ASSERT_TRUE(size.ok()) << status_code_name(size.code()) << ": " << size.message();
   workspace_ = DeviceBuffer(bytes);
-  if (bytes > 0) cuda_check(cudaMemset(workspace_.data(), 0xFF, bytes), "cudaMemset (workspace)");
+  // On our stream: a cudaMemset (legacy stream) could land after the call's own zeroing.
+  if (bytes > 0) cuda_check(cudaMemsetAsync(workspace_.data(), 0xFF, bytes, stream_), "cudaMemsetAsync (workspace)");
   args_.workspace = workspace_.workspace();
 }
 

@@ -251,7 +251,7 @@ TEST_F(BackwardRuntime, WorkspaceIsSizedByTheQueryRequiredAndChecked) {
     // A larger workspace, at a 256-byte-aligned offset inside a buffer full of 0xFF bytes, works
     // as well: the library may not count on zeroed scratch or on the exact size.
     const DeviceBuffer larger(required + 3 * kWorkspaceAlignment);
-    cuda_check(cudaMemset(larger.data(), 0xFF, larger.bytes()), "cudaMemset (workspace)");
+    cuda_check(cudaMemsetAsync(larger.data(), 0xFF, larger.bytes(), stream()), "cudaMemsetAsync (workspace)");
     gpu.args().workspace = Workspace{static_cast<char*>(larger.data()) + kWorkspaceAlignment, required + 512};
     ASSERT_TRUE(gpu.run().ok());
     expect_gradients_match_reference(p, gpu.finish());

@@ -55,7 +55,7 @@ TEST_F(IndexBitsBuild, ListsHoldTheListedKeysOnly) {
         e.block_m = 64, e.block_n = 64, e.causal = causal, e.diagonal = static_cast<int>(Sk - Sq);
         DeviceBuffer bits(std::max<std::size_t>(kernels::index_bits_bytes(e, static_cast<int>(K)), 1));
         DeviceBuffer memory(kernels::key_lists_bytes(e));
-        cuda_check(cudaMemset(memory.data(), 0xab, memory.bytes()), "poison");
+        cuda_check(cudaMemsetAsync(memory.data(), 0xab, memory.bytes(), stream()), "poison");
         kernels::TileSummary summary;
         kernels::KeyLists lists;
         cuda_check(kernels::build_index_lists(e, index_rows(device.view()), bits.data(), memory.data(), stream(),

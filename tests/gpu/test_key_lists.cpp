@@ -90,7 +90,7 @@ class KeyListBuild : public GpuTest {
     DeviceBuffer summary_space(kernels::tile_summary_bytes(me));
     const std::size_t list_bytes = kernels::key_lists_bytes(le);
     DeviceBuffer list_space(list_bytes);
-    cuda_check(cudaMemset(list_space.data(), 0xab, list_bytes), "list poison");
+    cuda_check(cudaMemsetAsync(list_space.data(), 0xab, list_bytes, stream()), "list poison");
     TileSummary summary;
     cuda_check(kernels::build_tile_summary(me, summary_space.data(), stream(), &summary), "build_tile_summary");
     KeyLists lists;

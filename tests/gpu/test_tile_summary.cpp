@@ -70,7 +70,8 @@ class TileSummaryBuild : public GpuTest {
     extent.diagonal = c.diagonal;
     const std::size_t bytes = kernels::tile_summary_bytes(extent);
     DeviceBuffer workspace(bytes);
-    cuda_check(cudaMemset(workspace.data(), 0xab, bytes), "workspace poison");
+    // On the stream the build runs on, which does not wait for the legacy stream.
+    cuda_check(cudaMemsetAsync(workspace.data(), 0xab, bytes, stream()), "workspace poison");
     TileSummary summary;
     cuda_check(kernels::build_tile_summary(extent, workspace.data(), stream(), &summary), "build_tile_summary");
     std::vector<std::uint8_t> built(bytes);
