@@ -21,10 +21,6 @@ if(FLASH_DMATTN_SM90A STREQUAL "AUTO")
     endif()
   endforeach()
 endif()
-# The sm90a gather forward (warp-specialized, wgmma over key lists) is not yet tested in full
-# (docs/architecture.md): built on request only, and where built the gather path's forward on
-# sm_90 takes it (FLASH_DMATTN_KERNELS=sm80 still picks the sm80 one).
-option(FLASH_DMATTN_SM90A_GATHER "Build the sm90a gather forward, which the gather path then runs on sm_90" OFF)
 # sm_90a needs CUDA 12.0 or newer.
 if(FLASH_DMATTN_WITH_SM90A AND CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.0)
   if(FLASH_DMATTN_SM90A STREQUAL "ON")
@@ -58,11 +54,8 @@ function(flash_dmattn_generate_kernels out_var sm90_out_var include_dir)
         list(APPEND sources "${file}")
       endforeach()
       string(APPEND entries "  X(${dtype}, ${CUTLASS_TYPE}, ${HEAD_DIM}) \\\n")
-      set(sm90_passes fwd bwd)
-      if(FLASH_DMATTN_SM90A_GATHER)
-        list(APPEND sm90_passes fwd_gather)
-      endif()
-      foreach(pass IN LISTS sm90_passes)
+      # fwd_gather: the gather path's forward on sm_90 (wgmma over key lists).
+      foreach(pass IN ITEMS fwd fwd_gather bwd)
         set(list FLASH_DMATTN_SM90A_HEAD_DIMS)
         if(pass STREQUAL "bwd")
           set(list FLASH_DMATTN_SM90A_BACKWARD_HEAD_DIMS)

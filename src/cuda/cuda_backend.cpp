@@ -196,8 +196,7 @@ kernels::KeyListExtent forward_list_extent(const TensorView& mask, const Problem
   return list_extent(mask, p, tile.block_m, tile.block_n);
 }
 
-// The gather forward's kernel family: sm90a where the build has its gather forward (the CMake
-// option FLASH_DMATTN_SM90A_GATHER, not yet tested in full: docs/architecture.md) and the family
+// The gather forward's kernel family: sm90a where the build has its gather forward and the family
 // choice allows sm90a (FLASH_DMATTN_KERNELS=sm80 forces sm80).
 KernelFamily gather_forward_family(const Problem& p, int arch) {
   if (!kernels::sm90::has_gather_forward(element_type(p.dtype), static_cast<int>(p.head_dim))) return KernelFamily::sm80;

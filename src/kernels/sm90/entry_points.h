@@ -10,7 +10,7 @@ namespace flash_dmattn::kernels::sm90 {
 // Whether this build includes the sm90a forward (backward) for `element` at head_dim's bucket.
 bool has_forward(ElementType element, int head_dim);
 bool has_backward(ElementType element, int head_dim);
-// Whether it includes the sm90a gather forward (FLASH_DMATTN_SM90A_GATHER) there.
+// Whether it includes the sm90a gather forward there (the sm90a forward's head dims up to 128).
 bool has_gather_forward(ElementType element, int head_dim);
 
 // Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host. With key

@@ -2,8 +2,9 @@
 // path, gathered_keys.h), whose rows TMA cannot gather before Blackwell. Three warpgroups:
 //  - the producer (warpgroup 0): all 128 threads gather each chunk's K rows, and a chunk later its
 //    V rows, with 16-byte cp.async into mbarrier pipelines (CUTLASS's PipelineAsync, 3 K stages;
-//    each thread's arrival fires when its copies have landed), staging each chunk's keys, row
-//    keep bits and (for a shared 16-bit bias row) bias values with its K rows;
+//    each thread's arrival, cp.async.mbarrier.arrive.noinc, fires when its copies have landed),
+//    staging each chunk's keys and row keep bits with its K rows, and for a shared bias row its
+//    values at the chunk's keys, released on a barrier of their own;
 //  - two consumers of 64 query rows each, sharing the list and its gathered rows: the loop of
 //    fwd_warp_specialized.h, with each chunk's logits masked by the staged row bits.
 // Q is loaded by the consumers themselves, once.
@@ -59,6 +60,11 @@ struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_pro
     alignas(16) cute::array<std::uint32_t, Keys::kSmemBytes / 4> staging;  // a chunk's per K stage
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
+    // Per K stage: the producer's plain stores of the bias values are released by a plain arrival
+    // here. On K's full barrier a thread arrives once, by its copies (.noinc); a second, plain
+    // arrival of the same thread in the same phase is what compute-sanitizer's synccheck reports
+    // as a missing wait.
+    cutlass::arch::ClusterBarrier bias_full[kStagesK];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an SM offers a CTA");
@@ -106,17 +112,19 @@ __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename 
   auto load_v = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {
     pipe_v.producer_acquire(state_v);
     gather(tVsV(_, _, _, state_v.index()), c, v_rows, p.v_row_stride);
-    pipe_v.producer_commit(state_v, cutlass::arch::cpasync_barrier_arrive);
+    cutlass::arch::cpasync_barrier_arrive_noinc(pipe_v.producer_get_barrier(state_v));
     ++state_v;
   };
   for (int c = share.begin; c < share.end; ++c) {
     pipe_k.producer_acquire(state_k);
     gather(tKsK(_, _, _, state_k.index()), c, k_rows, p.k_row_stride);
     list.stage(c, tid, 128);  // into slot state_k.index(): list.first_chunk is share.begin
-    // The bias values by plain stores, while the copies fly: the commit's arrival (made after
-    // the copies land by cp.async.mbarrier.arrive, without .noinc) is a plain release arrival.
-    if (list.bias_row) list.stage_bias(c, tid, 128);
-    pipe_k.producer_commit(state_k, cutlass::arch::cpasync_barrier_arrive);
+    cutlass::arch::cpasync_barrier_arrive_noinc(pipe_k.producer_get_barrier(state_k));
+    // The bias values by plain stores, while the copies fly.
+    if (list.bias_row) {
+      list.stage_bias(c, tid, 128);
+      storage.bias_full[state_k.index()].arrive();
+    }
     ++state_k;
     if (c > share.begin) load_v(c - 1);
   }
@@ -175,6 +183,13 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
     pipe.consumer_wait(state);
     cutlass::arch::fence_view_async_shared();
   };
+  // The chunk's logits, once its staged bias values (if any) are there; then K's stage goes back.
+  auto apply = [&](auto kind, auto& state_k, int c) CUTLASS_LAMBDA_FUNC_INLINE {
+    if (list.bias_row) storage.bias_full[state_k.index()].wait(state_k.phase());
+    list.apply(kind, policy, acc_s, tScS, c);
+    pipe_k.consumer_release(state_k);  // after apply(): the staged keys and bits share K's stage
+    ++state_k;
+  };
 
   // The loop is compiled once per logit kind, as the dense kernel's; a staged bias row is a kind.
   if (share.begin < share.end) policy.template with_logit_kind<BiasStaging::as_float>([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -189,9 +204,7 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
     turns.pass();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
-    list.apply(kind, policy, acc_s, tScS, c);
-    pipe_k.consumer_release(state_k);  // after apply(): the staged keys and bits share K's stage
-    ++state_k;
+    apply(kind, state_k, c);
     rescale_o = softmax.fold(acc_s_rows, correction);
     convert_fragment_into(acc_s, tOrP);
 
@@ -206,9 +219,7 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
       turns.pass();
       warpgroup_wait<1>();  // S of this chunk; the last chunk's P·V may still run
       warpgroup_fence_operand(acc_s);
-      list.apply(kind, policy, acc_s, tScS, c);
-      pipe_k.consumer_release(state_k);
-      ++state_k;
+      apply(kind, state_k, c);
       rescale_o = softmax.fold(acc_s_rows, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
@@ -250,6 +261,10 @@ __device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, ch
   };
   typename Traits::PipelineK pipe_k(storage.pipeline_k, params(static_cast<typename Traits::PipelineK*>(nullptr)));
   typename Traits::PipelineV pipe_v(storage.pipeline_v, params(static_cast<typename Traits::PipelineV*>(nullptr)));
+  if (list.bias_row && threadIdx.x == 0) {
+    for (auto& barrier : storage.bias_full) barrier.init(128);
+    cutlass::arch::fence_barrier_init();
+  }
   __syncthreads();  // every barrier initialized before anyone waits on or arrives at one
 
   if (warpgroup == 0) {

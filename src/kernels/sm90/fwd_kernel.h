@@ -2,7 +2,7 @@
 // split). Q, K and V that TMA can address go to the warp-specialized kernel; any others (strides
 // or bases off 16 bytes) to the one whose threads load with cp.async. The gather path (key
 // lists) has a warp-specialized kernel of its own (fwd_gather_warp_specialized.h), in
-// translation units of its own (FLASH_DMATTN_SM90A_GATHER).
+// translation units of its own (fwd_gather_instantiation.cu.in).
 #pragma once
 
 #include <cuda_runtime.h>
