@@ -11,6 +11,7 @@ needs (timed apart as "prep"), and how to put its results back into our layout f
 - ours_gather: ours_prepared with FLASH_DMATTN_SPARSE_PATH=gather set around each call: forward
   and backward over per-tile key lists (CUDA, masked cases; the backward keeps the tile path
   past head dim 128 and in deterministic mode).
+- ours_tile: ours_prepared with FLASH_DMATTN_SPARSE_PATH=tile set around each call.
 - ours_varlen: flash_dmattn_varlen_func on a case's sequences of several lengths (serving suite)
   packed back to back; mask and bias in its per-sequence layout. ours takes the padded batch.
 - ours_paged: flash_dmattn_with_kvcache on a paged copy of a decode case's cache (pages in a
@@ -231,6 +232,13 @@ class OursGather(OursPrepared):
 
     def unsupported(self, case, device):
         return "the gather path needs a mask" if case.mask == "none" else None
+
+
+class OursTile(OursPrepared):
+    """ours_prepared held to the tile path (FLASH_DMATTN_SPARSE_PATH=tile): the other side of the
+    crossover suite's comparison."""
+    name = "ours_tile"
+    path = "tile"
 
 
 class OursIndices(Ours):
@@ -602,5 +610,5 @@ class Flex(Implementation):
         return runner
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursPrepared(), OursGather(), OursIndices(), OursVarlen(),
+IMPLEMENTATIONS = {impl.name: impl for impl in (Ours(), OursPrepared(), OursGather(), OursTile(), OursIndices(), OursVarlen(),
                                                 OursPaged(), SdpaEfficient(), SdpaCudnn(), SdpaFlash(), Flex())}

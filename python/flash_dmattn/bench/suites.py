@@ -142,6 +142,15 @@ def training(quick: bool = False) -> List[Case]:
     return [Case("training", 2, 16, 4, s, s, d, True, kind, w) for d in (128, 64) for kind, w in masks]
 
 
+def crossover(quick: bool = False) -> List[Case]:
+    """Where the gather path stops paying: the training shape (B2 H16/4 S8192 causal) at D128 and
+    D64 with per-query top-W for W from 1024 to 8192 (a listed share of the causal span from about
+    0.23 to 1), for ours_tile against ours_gather (sparse_path.h's thresholds); --quick: S2048."""
+    s, windows = (2048, (256, 512, 1024, 2048)) if quick else (8192, (1024, 2048, 3072, 4096, 6144, 8192))
+    return [Case("crossover", 2, 16, 4, s, s, d, True, "topk", w, sweep=f"window, D{d} Q=K={s}", x=w)
+            for d in (128, 64) for w in windows]
+
+
 def decode(quick: bool = False) -> List[Case]:
     """One query row against a long cache: B1 H32/8 D128, no mask or the top-4096 keys by bias."""
     lengths = [8192] if quick else [8192, 32768, 131072]
@@ -190,7 +199,8 @@ def smoke(quick: bool = False) -> List[Case]:
     ]
 
 
-SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "decode": decode,
+SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "crossover": crossover,
+          "decode": decode,
           "serving": serving, "smoke": smoke}
 
 
