@@ -133,7 +133,7 @@ def test_bad_indices_are_named(indices, error, message):
 def test_unchecked_entries_out_of_range_count_as_padding(device, dtype):
     """check_indices=False reads no values (no wait for the GPU): out-of-range entries, even ones
     past 2^31 in int64, count as -1 on every path."""
-    case = make_case(1, 4, 9, 2, 1, 16, dtype=torch.float16, device=device)
+    case = make_case(1, 4, 9, 2, 1, 16, dtype=torch.bfloat16, device=device)
     far = 2**32 + 3 if dtype == torch.int64 else -5
     bad = torch.tensor([[[[0, 9, 4], [far, 2, -1], [8, 100, 1], [5, 6, 7]]]], dtype=dtype, device=device)
     padded = torch.where((bad >= 0) & (bad < 9), bad, -1)
