@@ -38,24 +38,42 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 
 // The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
 // up to which the key lists' keys (their union, in whole chunks) make the gather path the faster
-// one, per pass. Measured on an H200 with the bench CLI (seed: B1 H2/1 S16384 D32, causal, top-W
-// of a bias row; sm90a tile kernels, prepared masks), fwd / bwd ms: at a share of 0.12 (W 1024)
-// gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 (W 4096) 0.53 / 0.62 against 0.60 /
-// 2.66; at 0.75 (W 8192) 0.73 / 0.92 against 0.53 / 2.14; at 1.0 (W 16384) 1.05 / 1.25 against
-// 0.39 / 2.01. A line through the gathered forwards crosses the tile forward near 0.53; the
-// gathered backward stays faster at every share. At D128 (B2 H16/4 S8192, 2048 scattered keys,
-// a share of about 0.45) the gather path is 2.4x (fwd) and 2.6x (bwd) faster; its crossover
-// there, and anything at D64, is not measured: those backwards keep the forward's threshold.
-inline constexpr double kGatherForwardShare = 0.5;
-inline double gather_backward_share(std::int64_t head_dim) { return head_dim <= 32 ? 1.0 : kGatherForwardShare; }
+// one, per pass and kernel family.
+//
+// sm90a (measured on an H100 with the bench CLI's crossover suite: B2 H16/4 S8192 causal, top-W of
+// a bias row, prepared masks held to each path; forward / backward gpu ms, gather against tile):
+//   share   D128 fwd       D128 bwd       D64 fwd        D64 bwd
+//   0.24    0.43 / 1.94    2.80 / 7.38    0.35 / 1.84    1.69 / 5.53
+//   0.61    0.92 / 1.82    6.49 / 7.09    0.75 / 1.72    3.73 / 5.20
+//   0.75    1.11 / 1.78    7.86 / 6.88    0.91 / 1.68    4.50 / 4.96
+//   0.94    1.37 / 1.50    9.69 / 6.19    1.12 / 1.38    5.52 / 4.42
+//   1.0     1.47 / 1.10   10.24 / 5.43    1.21 / 0.92    5.81 / 3.84
+// The sm90a gather forward wins up to a share between 0.94 and 1; the gathered backward (sm80
+// kernels) against the sm90a tile backward up to about 0.66 at D128 and 0.81 at D64 (lines
+// through the two points around each crossing). The shares are this function's (listed_share):
+// 0.617, 0.756 and 0.94 at W 3072, 4096 and 6144 with the D128 lists (64 x 64 chunks).
+//
+// sm80 (an H200 with the sm90a tile kernels, seed B1 H2/1 S16384 D32; fwd / bwd ms): at a share of
+// 0.12 gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 0.53 / 0.62 against 0.60 / 2.66; at
+// 0.75 0.73 / 0.92 against 0.53 / 2.14; at 1.0 1.05 / 1.25 against 0.39 / 2.01. A line through
+// the sm80 gathered forwards crosses the tile forward near 0.53; at D32 the gathered backward
+// stays faster at every share.
+inline constexpr double kGatherForwardShare = 0.5;       // the sm80 gather forward
+inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather forward
+inline double gather_backward_share(std::int64_t head_dim) {
+  if (head_dim <= 32) return 1.0;
+  return head_dim <= 64 ? 0.8 : 0.65;  // D96: its tile backward is sm80's, slower than sm90a's
+}
 // A decode (one query row) pays less for its gathers: its kept keys are split across CTAs, each
 // walking a few chunks one after the other, while the tile path streams the keys at memory speed.
 // Measured on an H200 (bench CLI decode suite, B1 H32/8 D128, top-4096; prepared gather against
 // unprepared tile, ms): share 0.5 (Sk 8192) 0.120 against 0.094; 0.125 (Sk 32768) 0.116 against
 // 0.133; 0.031 (Sk 131072) 0.123 against 0.259. The threshold lies between the first two.
 inline constexpr double kGatherDecodeShare = 0.25;
-inline double gather_forward_share(std::int64_t seqlen_q) {
-  return seqlen_q == 1 ? kGatherDecodeShare : kGatherForwardShare;
+// sm90a: whether the gather forward would run the sm90a kernel (gather_forward_family).
+inline double gather_forward_share(std::int64_t seqlen_q, bool sm90a) {
+  if (seqlen_q == 1) return kGatherDecodeShare;
+  return sm90a ? kSm90aGatherForwardShare : kGatherForwardShare;
 }
 
 // Key indices (B|1, H|Hk|1, Sq|1, K) as the bits pass reads them: strides of 0 where they broadcast.
