@@ -14,6 +14,8 @@
 # time, all in deterministic mode (FLASH_DMATTN_TEST_DETERMINISTIC=1; GPU_DETERMINISTIC_FILTER
 # narrows them). Every sm_80+ GPU runs the suite once more with FLASH_DMATTN_SPARSE_PATH=gather
 # (GPU_GATHER_FILTER narrows it).
+# The summary also counts the kernels with a stack frame (scripts/check_spills.py), and the
+# sanitizers are memcheck, racecheck and synccheck.
 # GATHER_PROFILE=1 also prints the per-kernel durations of the gather path's forward against the
 # tile path's (ncu) for the scattered-key benchmark workloads, both paths' forward and backward
 # times, and the gather backward's kernel durations.
@@ -53,6 +55,12 @@ configure "${python_flags[@]}" || { [ -n "${PYTHON_TESTS:-}" ] && cp "$LOGS/conf
 # -k 0: a target that fails to build does not keep the others (the benchmark, say) from running.
 cmake --build build-gpu -j "$(nproc)" -- -k 0 > "$LOGS/build.log" 2>&1 || grep -E "error|Error" "$LOGS/build.log" | head -40
 build_s=$(( $(date +%s) - start ))
+# Kernels with a stack frame (spills or local arrays), per architecture built; informational.
+spills=""
+for arch in sm_80 sm_90a; do
+  python3 scripts/check_spills.py --arch "$arch" build-gpu > "$LOGS/spills_$arch.txt" 2>&1
+  spills+="$arch: $(tail -n 1 "$LOGS/spills_$arch.txt" | sed 's/^check_spills: //'); "
+done
 save_logs
 
 start=$(date +%s)
@@ -166,7 +174,10 @@ if [ -z "${SKIP_SANITIZERS:-}" ]; then
   san+=" racecheck:"
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
     --gtest_filter="$filter" > "$LOGS/racecheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
-  tail -n 3 "$LOGS/memcheck.log" "$LOGS/racecheck.log"
+  san+=" synccheck:"
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool synccheck --error-exitcode 9 build-gpu/tests/gpu/flash_dmattn_gpu_tests --gtest_brief=1 \
+    --gtest_filter="$filter" > "$LOGS/synccheck.log" 2>&1 && san+="clean" || san+="FAILED($?)"
+  tail -n 3 "$LOGS/memcheck.log" "$LOGS/racecheck.log" "$LOGS/synccheck.log"
   save_logs
 fi
 
@@ -177,6 +188,7 @@ echo "build ${build_s}s (archs $archs); GPU tests ${gpu_s}s, rc=$gpu_rc: $(grep 
 [ -n "$extra_lines" ] && echo "$extra_lines"
 [ -n "$python_line" ] && echo "$python_line"
 echo "sanitizers: $san"
+echo "stack frames: $spills(scripts/check_spills.py; logs spills_*.txt)"
 [ -f "$LOGS/bench_forward_sm80.txt" ] && { echo "--- forward with FLASH_DMATTN_KERNELS=sm80"; cat "$LOGS/bench_forward_sm80.txt"; }
 [ -f "$LOGS/bench_forward.txt" ] && cat "$LOGS/bench_forward.txt"
 [ -f "$LOGS/baselines_torch.txt" ] && cat "$LOGS/baselines_torch.txt"
