@@ -18,7 +18,8 @@
 # sanitizers are memcheck, racecheck and synccheck.
 # GATHER_PROFILE=1 also prints the per-kernel durations of the gather path's forward against the
 # tile path's (ncu) for the scattered-key benchmark workloads, both paths' forward and backward
-# times, and the gather backward's kernel durations.
+# times, the gather backward's kernel durations, and its main kernel's L2 reduction traffic and
+# pipe use at D128.
 # PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
 # (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
 # it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
@@ -162,6 +163,15 @@ if [ -n "${GATHER_PROFILE:-}" ]; then
       --launch-skip 60 --launch-count 8 build-gpu/flash_dmattn_bench_forward --runs 10 --only "$workload" 2>&1 |
       grep -E "^  [A-Za-z_]|gpu__time_duration" | sed -E 's/\(.*//' | cut -c1-100
   done | tee -a "$LOGS/gather_profile.txt"
+  # What bounds the gather backward's main kernel at D128: its fp32 dK/dV reductions into L2
+  # (estimated at about 7.5 GB per backward, docs/architecture.md), the tensor pipe or issue.
+  echo "--- train_scatter2048_d128, gather backward kernel: reductions, throughput, pipes"
+  FLASH_DMATTN_SPARSE_PATH=gather timeout 180 ncu --clock-control none --kernel-name regex:backward_gather_kernel \
+    --launch-skip 2 --launch-count 1 --metrics gpu__time_duration.sum,lts__t_sectors_op_red.sum,lts__t_sectors_op_atom.sum,\
+lts__t_bytes.sum,dram__bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
+smsp__inst_executed.sum build-gpu/flash_dmattn_bench_forward --runs 3 --only train_scatter2048_d128 2>&1 |
+    grep -E "^  [A-Za-z_]|__" | cut -c1-120 | tee -a "$LOGS/gather_profile.txt"
   save_logs
 fi
 
