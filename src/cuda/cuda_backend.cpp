@@ -702,7 +702,7 @@ class CudaSm80Backend final : public BackendImpl {
       e = listed_share(extent, lists, stream, &share);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
       const bool sm90a = gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a;
-      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q, sm90a) && gather_forward_fits(p);
+      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q, p.head_dim, sm90a) && gather_forward_fits(p);
       prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose

@@ -58,8 +58,11 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 // 0.75 0.73 / 0.92 against 0.53 / 2.14; at 1.0 1.05 / 1.25 against 0.39 / 2.01. A line through
 // the sm80 gathered forwards crosses the tile forward near 0.53; at D32 the gathered backward
 // stays faster at every share.
-inline constexpr double kGatherForwardShare = 0.5;       // the sm80 gather forward
-inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather forward
+// At D32 the sm90a gather forward was only 1.2x the sm80 one (seed top-1024: 0.046 against 0.056
+// gpu ms, one H100), against 1.7x at D128, and its crossover there is not measured: D32 keeps the
+// sm80 threshold.
+inline constexpr double kGatherForwardShare = 0.5;       // the sm80 gather forward, and D32
+inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather forward, D > 32
 inline double gather_backward_share(std::int64_t head_dim) {
   if (head_dim <= 32) return 1.0;
   return head_dim <= 64 ? 0.8 : 0.65;  // D96: its tile backward is sm80's, slower than sm90a's
@@ -71,9 +74,9 @@ inline double gather_backward_share(std::int64_t head_dim) {
 // 0.133; 0.031 (Sk 131072) 0.123 against 0.259. The threshold lies between the first two.
 inline constexpr double kGatherDecodeShare = 0.25;
 // sm90a: whether the gather forward would run the sm90a kernel (gather_forward_family).
-inline double gather_forward_share(std::int64_t seqlen_q, bool sm90a) {
+inline double gather_forward_share(std::int64_t seqlen_q, std::int64_t head_dim, bool sm90a) {
   if (seqlen_q == 1) return kGatherDecodeShare;
-  return sm90a ? kSm90aGatherForwardShare : kGatherForwardShare;
+  return sm90a && head_dim > 32 ? kSm90aGatherForwardShare : kGatherForwardShare;
 }
 
 // Key indices (B|1, H|Hk|1, Sq|1, K) as the bits pass reads them: strides of 0 where they broadcast.

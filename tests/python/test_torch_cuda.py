@@ -235,7 +235,7 @@ def test_prepared_mask_holds_the_lists_of_the_forward_that_reads_them(monkeypatc
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
     the key lists hold at most a measured share of the causal span (src/cuda/sparse_path.h: 0.5 for
-    the sm80 gather forward, 0.9 for the sm90a one), the tile path for a full mask, and the tile path during CUDA-graph capture, where it cannot wait
+    the sm80 gather forward and at D32, 0.9 for the sm90a one above D32), the tile path for a full mask, and the tile path during CUDA-graph capture, where it cannot wait
     for the lists' sizes. Its calls then give what the forced path gives."""
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
     case = make_case(1, 512, 512, 2, 1, 32, device="cuda", bias_shape=(1, 1, 1, 512))
