@@ -698,12 +698,12 @@ class CudaSm80Backend final : public BackendImpl {
     e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists);
     if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     if (sparse_path() == SparsePath::automatic) {
-      double share = -1;
-      e = listed_share(extent, lists, stream, &share);
+      ListedWork work;
+      e = listed_work(extent, lists, stream, &work);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
       const bool sm90a = gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a;
-      prepared->gather_forward = share >= 0 && share <= gather_forward_share(p.seqlen_q, p.head_dim, sm90a) && gather_forward_fits(p);
-      prepared->gather_backward = share >= 0 && share <= gather_backward_share(p.head_dim);
+      prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
+      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim));
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
     // forwards keep the tile path leaves their room unused.

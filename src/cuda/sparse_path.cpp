@@ -44,30 +44,42 @@ kernels::IndexRows index_rows(const TensorView& indices) {
   return rows;
 }
 
-cudaError_t listed_share(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
-                         double* share) {
-  *share = -1;
+cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists& lists, cudaStream_t stream,
+                        ListedWork* work) {
+  *work = ListedWork{};
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t error = cudaStreamIsCapturing(stream, &capture);
   if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
-  std::vector<int> counts(static_cast<std::size_t>(e.lists()));
-  if (counts.empty()) return cudaSuccess;
-  error = cudaMemcpyAsync(counts.data(), lists.counts, counts.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
+  const std::size_t n = static_cast<std::size_t>(e.lists());
+  work->known = true;
+  if (n == 0) return cudaSuccess;
+  // The counts and the block counts lie back to back (key_lists_bytes): one copy.
+  std::vector<int> sizes(2 * n);
+  error = cudaMemcpyAsync(sizes.data(), lists.counts, sizes.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
   if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) return error;
+  if (error != cudaSuccess) {
+    work->known = false;
+    return error;
+  }
   // List t of (batch, head) is query tile t % query_tiles(); its rows see keys up to the causal
   // limit of its last row, j <= rows_end - 1 + diagonal.
   const auto chunks = [&](std::int64_t keys) { return (keys + e.block_n - 1) / e.block_n; };
-  std::int64_t listed = 0, span = 0;
-  for (std::size_t list = 0; list < counts.size(); ++list) {
+  for (std::size_t list = 0; list < n; ++list) {
     const std::int64_t tile = static_cast<std::int64_t>(list) % e.query_tiles();
     const std::int64_t rows_end = std::min<std::int64_t>((tile + 1) * e.block_m, e.seqlen_q);
     const std::int64_t keys = e.causal ? std::clamp<std::int64_t>(rows_end + e.diagonal, 0, e.seqlen_k) : e.seqlen_k;
-    listed += chunks(counts[list]);
-    span += chunks(keys);
+    work->listed += chunks(sizes[list]);
+    work->visible += sizes[n + list];
+    work->span += chunks(keys);
   }
-  if (span > 0) *share = static_cast<double>(listed) / static_cast<double>(span);
   return cudaSuccess;
+}
+
+bool gather_pays(const ListedWork& work, double share) {
+  if (!work.known) return false;
+  if (work.visible == 0) return true;  // nothing to visit either way; the gather path launches less
+  if (static_cast<double>(work.visible) <= kSparseTilesShare * static_cast<double>(work.span)) return true;
+  return static_cast<double>(work.listed) <= share * static_cast<double>(work.visible);
 }
 
 }  // namespace flash_dmattn

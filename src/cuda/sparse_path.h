@@ -3,7 +3,7 @@
 // kernels; docs/architecture.md), in the forward and, where the gather backward runs, the
 // backward. FLASH_DMATTN_SPARSE_PATH=auto (the default) takes the gather path for the passes whose
 // prepared mask chose it and the tile path otherwise: only a preparation, made once per mask,
-// may wait for the GPU to learn the lists' sizes (listed_share).
+// may wait for the GPU to learn the lists' sizes (listed_work).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,9 +36,10 @@ bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_
 bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,
                     BackendImpl::Pass pass);
 
-// The share of the key span (the keys the causal limit leaves each query tile, in whole chunks)
-// up to which the key lists' keys (their union, in whole chunks) make the gather path the faster
-// one, per pass and kernel family.
+// The share of the tile path's work (the blocks of block_n keys that hold a listed key, which
+// the tile path visits for the list's rows) up to which the key lists' keys (their union, in
+// whole chunks of block_n) make the gather path the faster one, per pass and kernel family. For a
+// scattered mask every block holds a key, and the tile path's work is the whole causal span.
 //
 // sm90a (measured on an H100 with the bench CLI's crossover suite: B2 H16/4 S8192 causal, top-W of
 // a bias row, prepared masks held to each path; forward / backward gpu ms, gather against tile):
@@ -50,8 +51,14 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 //   1.0     1.47 / 1.10   10.24 / 5.43    1.21 / 0.92    5.81 / 3.84
 // The sm90a gather forward wins up to a share between 0.94 and 1; the gathered backward (sm80
 // kernels) against the sm90a tile backward up to about 0.66 at D128 and 0.81 at D64 (lines
-// through the two points around each crossing). The shares are this function's (listed_share):
-// 0.617, 0.756 and 0.94 at W 3072, 4096 and 6144 with the D128 lists (64 x 64 chunks).
+// through the two points around each crossing). The shares are gather_pays's: 0.617, 0.756 and
+// 0.94 at W 3072, 4096 and 6144 with the D128 lists (64 x 64 chunks).
+//
+// A sliding window lists about the keys of its visible tiles (a share near 1 of their blocks:
+// about 0.83 at W 256 and 0.94 at W 1024 with 64-key chunks), where the tile path's tiles are
+// full. On an H200 (bench CLI `--suite windows`, B2 H16/4 S8192 causal, gpu ms, gather / tile)
+// D128: W 256 fwd 0.20 / 0.25, bwd 1.06 / 0.90; W 512 0.28 / 0.30, 1.66 / 1.19; W 1024 0.43 /
+// 0.40, 2.80 / 1.72; W 4096 1.10 / 0.87, 7.95 / 4.25. D64 alike (W 256 bwd 0.73 / 0.64).
 //
 // sm80 (an H200 with the sm90a tile kernels, seed B1 H2/1 S16384 D32; fwd / bwd ms): at a share of
 // 0.12 gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 0.53 / 0.62 against 0.60 / 2.66; at
@@ -79,14 +86,34 @@ inline double gather_forward_share(std::int64_t seqlen_q, std::int64_t head_dim,
   return sm90a && head_dim > 32 ? kSm90aGatherForwardShare : kGatherForwardShare;
 }
 
+// Where the tile path's visible tiles are this small a share of the span, its fixed costs
+// (a CTA per row or column of tiles, each scanning the summary; issue 26) outweigh the gather's:
+// the gather path then runs whatever the share of the blocks. Measured on an H200 (bench CLI,
+// seed B1 H2/1 S16384 D32, top-1024 smoothed by 64-key blocks, about 0.02 of the span visible;
+// gpu ms, prepared, gather / tile): forward 0.040 / 0.062, backward 0.088 / 0.449. A window of
+// 256 keys at S 8192 (about 0.09) keeps the rule above.
+inline constexpr double kSparseTilesShare = 0.05;
+
 // Key indices (B|1, H|Hk|1, Sq|1, K) as the bits pass reads them: strides of 0 where they broadcast.
 kernels::IndexRows index_rows(const TensorView& indices);
 
-// The share of the key span that lists just built on `stream` hold, or -1 where it cannot be
-// known: waits for the lists and reads their sizes back, the one synchronization of a
-// preparation under FLASH_DMATTN_SPARSE_PATH=auto. A stream being captured into a CUDA graph
-// cannot wait (docs/python.md): -1.
-cudaError_t listed_share(const kernels::KeyListExtent& extent, const kernels::KeyLists& lists, cudaStream_t stream,
-                         double* share);
+// The work a mask's key lists describe, in chunks of block_n keys summed over the lists: the
+// listed keys, the blocks that hold them (the tile path's work) and the causal span. Not known
+// where the lists' sizes could not be read.
+struct ListedWork {
+  std::int64_t listed = 0, visible = 0, span = 0;
+  bool known = false;
+};
+
+// The work of lists just built on `stream` by build_key_lists: waits for them and reads their
+// sizes back, the one synchronization of a preparation under FLASH_DMATTN_SPARSE_PATH=auto. A
+// stream being captured into a CUDA graph cannot wait (docs/python.md): not known.
+cudaError_t listed_work(const kernels::KeyListExtent& extent, const kernels::KeyLists& lists, cudaStream_t stream,
+                        ListedWork* work);
+
+// Whether the gather path pays for a pass whose threshold is `share` (the shares above): where
+// the visible tiles are at most kSparseTilesShare of the span, or the listed keys at most `share`
+// of the visible tiles' keys.
+bool gather_pays(const ListedWork& work, double share);
 
 }  // namespace flash_dmattn

@@ -45,6 +45,9 @@ struct TileSummary {
 struct KeyLists {
   const int* keys = nullptr;    // nullptr: the tile path. List t starts at keys + t * capacity
   const int* counts = nullptr;  // keys in list t
+  // Blocks of block_n keys (from key 0) holding a key of list t: what the tile path would visit
+  // for the list's rows. Written by build_key_lists (masks), not by the indices builds.
+  const int* blocks = nullptr;
   const std::uint32_t* row_bits = nullptr;  // list t's start at row_bits + t * row_bits_stride
   std::int64_t row_bits_stride = 0;         // words per list: chunks of room x block_m x block_n / 32
   std::int64_t batch_stride = 0, head_stride = 0;  // in lists; 0 where the mask broadcasts

@@ -97,6 +97,7 @@ class KeyListBuild : public GpuTest {
     cuda_check(kernels::build_key_lists(le, summary, list_space.data(), stream(), &lists), "build_key_lists");
     const std::int64_t n = le.lists();
     const auto counts = download<int>(lists.counts, static_cast<std::size_t>(n), stream());
+    const auto blocks = download<int>(lists.blocks, static_cast<std::size_t>(n), stream());
     const auto keys = download<int>(lists.keys, static_cast<std::size_t>(n * lists.capacity), stream());
     const auto row_bits = download<std::uint32_t>(lists.row_bits, static_cast<std::size_t>(n * lists.row_bits_stride),
                                                   stream());
@@ -124,6 +125,13 @@ class KeyListBuild : public GpuTest {
         if (!std::equal(expected.begin(), expected.end(), got)) {
           if (failures++ < 10) ADD_FAILURE() << "list " << list << ": keys differ";
           continue;
+        }
+        int expected_blocks = 0;  // blocks of block_n keys from key 0 that hold a listed key
+        for (std::size_t p = 0; p < expected.size(); ++p) {
+          expected_blocks += p == 0 || expected[p] / c.block_n != expected[p - 1] / c.block_n;
+        }
+        if (blocks[list] != expected_blocks && failures++ < 10) {
+          ADD_FAILURE() << "list " << list << ": " << blocks[list] << " blocks, expected " << expected_blocks;
         }
         const std::uint32_t* bits = row_bits.data() + list * lists.row_bits_stride;
         for (std::int64_t i = i0; i < i1; ++i) {

@@ -277,6 +277,27 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     assert (captured.path, captured.backward_path) == ("tile", "tile")
 
 
+def test_auto_path_keeps_a_window_on_the_tile_path(monkeypatch):
+    """A sliding window lists the keys of its visible tiles, which are full: the gather path would
+    visit as many keys at a higher price per key (src/cuda/sparse_path.h, gather_pays), though its
+    lists hold a small share of the causal span. The same keys scattered go to the gather path."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    s, width = 1024, 128
+    case = make_case(1, s, s, 2, 1, 64, device="cuda", bias_shape=(1, 1, 1, s))
+    q, k, v = case["q"], case["k"], case["v"]
+    i = torch.arange(s, device="cuda")
+    window = ((i[:, None] - i[None, :]) < width).expand(1, 1, s, s)
+    try:
+        prepared = flash_dmattn.prepare_mask(q, k, v, window, is_causal=True)
+    except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
+        pytest.skip(str(error))
+    assert (prepared.path, prepared.backward_path) == ("tile", "tile")
+    keep = torch.zeros(s, dtype=torch.bool)
+    keep[torch.randperm(s, generator=torch.Generator().manual_seed(2))[:width]] = True
+    scattered = flash_dmattn.prepare_mask(q, k, v, keep.expand(1, 1, s, s).contiguous().cuda(), is_causal=True)
+    assert (scattered.path, scattered.backward_path) == ("gather", "gather")
+
+
 def test_opcheck_on_cuda():
     """Schema, fake implementation and autograd registration of the ops, checked on CUDA tensors."""
     case = make_case(2, 40, 56, 4, 2, 64, device="cuda", mask_shape=(2, 1, 1, 56), bias_shape=(2, 2, 1, 56))

@@ -151,6 +151,14 @@ def crossover(quick: bool = False) -> List[Case]:
             for d in (128, 64) for w in windows]
 
 
+def windows(quick: bool = False) -> List[Case]:
+    """Issue 26's window sweep: the training shape (B2 H16/4 Q=K=8192 causal) with sliding windows of
+    256 to 8192 keys, D 128 and 64, where time should follow the tile density; --quick: S2048."""
+    s, widths = (2048, (128, 512, 2048)) if quick else (8192, (256, 512, 1024, 2048, 4096, 8192))
+    return [Case("windows", 2, 16, 4, s, s, d, True, "window", w, sweep=f"window, D{d} Q=K={s}", x=w)
+            for d in (128, 64) for w in widths]
+
+
 def decode(quick: bool = False) -> List[Case]:
     """One query row against a long cache: B1 H32/8 D128, no mask or the top-4096 keys by bias."""
     lengths = [8192] if quick else [8192, 32768, 131072]
@@ -200,8 +208,7 @@ def smoke(quick: bool = False) -> List[Case]:
 
 
 SUITES = {"seed": seed, "upstream-readme": upstream_readme, "training": training, "crossover": crossover,
-          "decode": decode,
-          "serving": serving, "smoke": smoke}
+          "windows": windows, "decode": decode, "serving": serving, "smoke": smoke}
 
 
 def cases(suite: str, quick: bool = False, max_cases: int = 0) -> List[Case]:

@@ -31,7 +31,18 @@ struct ListOutput {
   int* keys;
   std::uint32_t* row_bits;
   int* counts;
+  int* blocks;
 };
+
+// Of a warp's 32 consecutive words (the first a multiple of 32), the blocks of `words_per_block`
+// words (a divisor of 32, so that no block leaves the warp) that hold a set bit.
+__device__ __forceinline__ int nonempty_blocks(std::uint32_t word, int words_per_block) {
+  const std::uint32_t lanes = __ballot_sync(0xffffffffu, word != 0);
+  std::uint32_t any = 0, firsts = 0;
+  for (int s = 0; s < words_per_block; ++s) any |= lanes >> s;
+  for (int lane = 0; lane < 32; lane += words_per_block) firsts |= 1u << lane;
+  return __popc(any & firsts);
+}
 
 __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent e, const TileSummary s,
                                                              const ListOutput out) {
@@ -59,6 +70,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   };
 
   __shared__ int warp_totals[kWarps];
+  __shared__ int blocks;
   // A pass's compacted bits (at most 8192 positions, starting anywhere in a word) of a group of
   // kGroupRows rows, two groups alternating: one barrier per group separates filling from storing,
   // and the rows of a group load their words independently of each other.
@@ -69,6 +81,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   for (int t = threadIdx.x; t < 2 * kGroupRows * (kThreads + 1); t += kThreads) (&assembly[0][0][0])[t] = 0;
   for (int r = threadIdx.x; r < kMaxListRows; r += kThreads) carry[0][r] = 0;
   int carry_in = 0;
+  if (threadIdx.x == 0) blocks = 0;
   __syncthreads();
 
   int total = 0;
@@ -78,6 +91,9 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
 #pragma unroll 8
     for (int r = 0; r < rows; ++r) word |= row_word(r, w);
     const int n = __popc(word);
+    // A pass's 256 words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
+    const int warp_blocks = nonempty_blocks(word, words_per_chunk_row);
+    if (threadIdx.x % 32 == 0 && warp_blocks > 0) atomicAdd(&blocks, warp_blocks);
     const CtaPrefix prefix = cta_exclusive_sum<kWarps>(n, warp_totals);
     const int pass_total = prefix.total;
     const int first = total + prefix.before;  // this word's first position in the list
@@ -116,7 +132,10 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
     total += pass_total;
     __syncthreads();  // warp_totals, the buffers and the carries are ready for the next pass
   }
-  if (threadIdx.x == 0) out.counts[list] = total;
+  if (threadIdx.x == 0) {
+    out.counts[list] = total;
+    out.blocks[list] = blocks;  // every pass ended with a barrier after its additions
+  }
 }
 
 }  // namespace
@@ -124,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
 std::size_t key_lists_bytes(const KeyListExtent& e) {
   const std::size_t lists = static_cast<std::size_t>(e.lists());
   return lists * (static_cast<std::size_t>(e.capacity()) * sizeof(int) +
-                  static_cast<std::size_t>(e.row_bits_words()) * sizeof(std::uint32_t) + sizeof(int));
+                  static_cast<std::size_t>(e.row_bits_words()) * sizeof(std::uint32_t) + 2 * sizeof(int));
 }
 
 KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
@@ -133,6 +152,7 @@ KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
   lists.keys = static_cast<const int*>(memory);
   lists.row_bits = reinterpret_cast<const std::uint32_t*>(lists.keys + n * e.capacity());
   lists.counts = reinterpret_cast<const int*>(lists.row_bits + n * e.row_bits_words());
+  lists.blocks = lists.counts + n;
   lists.row_bits_stride = e.row_bits_words();
   lists.head_stride = e.query_tiles();
   lists.batch_stride = e.batches == 1 ? 0 : e.heads * e.query_tiles();
@@ -148,7 +168,8 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   // A mask that broadcasts over queries or keys has no per-row choice of keys to list. (With no
   // keys at all, the summary's rows are 0 words long and their stride 0: every list is empty.)
   if ((summary.bits_row_stride == 0 && e.seqlen_q > 1 && e.seqlen_k > 0) ||
-      (summary.col_stride == 0 && e.seqlen_k > 1) || e.block_m > kMaxListRows || e.block_n % 32 != 0) {
+      (summary.col_stride == 0 && e.seqlen_k > 1) || e.block_m > kMaxListRows || e.block_n % 32 != 0 ||
+      32 % (e.block_n / 32) != 0) {
     return cudaErrorInvalidValue;
   }
   *lists = describe_key_lists(e, workspace);
@@ -157,6 +178,7 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   out.keys = static_cast<int*>(workspace);
   out.row_bits = reinterpret_cast<std::uint32_t*>(out.keys + n * e.capacity());
   out.counts = reinterpret_cast<int*>(out.row_bits + n * e.row_bits_words());
+  out.blocks = out.counts + n;
   if (n == 0) return cudaSuccess;
   return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out);
 }

@@ -33,7 +33,8 @@ struct KeyListExtent {
 inline constexpr int kMaxListRows = 128;
 
 // Bytes of workspace the lists take: Sk keys of room and the row bits of Sk keys per list, then a
-// count per list.
+// count per list, then per list its blocks of block_n keys that hold a listed key
+// (KeyLists::blocks).
 std::size_t key_lists_bytes(const KeyListExtent& extent);
 
 // The lists of this extent as they lie in `memory` (key_lists_bytes of it), built there earlier.
@@ -41,8 +42,8 @@ KeyLists describe_key_lists(const KeyListExtent& extent, void* memory);
 
 // Launches the build on `stream` into `workspace`, from the bits of a summary built earlier on the
 // same stream, and describes the lists in *lists. The mask must have a key per column and a row
-// per query (cudaErrorInvalidValue otherwise), block_m <= kMaxListRows and block_n a multiple of
-// 32. Each list reads its rows' words twice: once to OR them, once to compact each row's bits.
+// per query (cudaErrorInvalidValue otherwise), block_m <= kMaxListRows and block_n 32 times a
+// divisor of 32. Each list reads its rows' words twice: once to OR them, once to compact each row's bits.
 cudaError_t build_key_lists(const KeyListExtent& extent, const TileSummary& summary, void* workspace,
                             cudaStream_t stream, KeyLists* lists);
 
