@@ -54,9 +54,9 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 // through the two points around each crossing). The shares are gather_pays's: 0.617, 0.756 and
 // 0.94 at W 3072, 4096 and 6144 with the D128 lists (64 x 64 chunks).
 //
-// A sliding window lists about the keys of its visible tiles (a share near 1 of their blocks:
-// about 0.83 at W 256 and 0.94 at W 1024 with 64-key chunks), where the tile path's tiles are
-// full. On an H200 (bench CLI `--suite windows`, B2 H16/4 S8192 causal, gpu ms, gather / tile)
+// A sliding window lists the keys of its visible tiles: one chunk per visible block, a share of
+// 1.0 (query tiles start on a block), whatever its share of the span, where the tile path's tiles
+// are full. On an H200 (bench CLI `--suite windows`, B2 H16/4 S8192 causal, gpu ms, gather / tile)
 // D128: W 256 fwd 0.20 / 0.25, bwd 1.06 / 0.90; W 512 0.28 / 0.30, 1.66 / 1.19; W 1024 0.43 /
 // 0.40, 2.80 / 1.72; W 4096 1.10 / 0.87, 7.95 / 4.25. D64 alike (W 256 bwd 0.73 / 0.64).
 //
@@ -89,7 +89,7 @@ inline double gather_forward_share(std::int64_t seqlen_q, std::int64_t head_dim,
 // Where the tile path's visible tiles are this small a share of the span, its fixed costs
 // (a CTA per row or column of tiles, each scanning the summary; issue 26) outweigh the gather's:
 // the gather path then runs whatever the share of the blocks. Measured on an H200 (bench CLI,
-// seed B1 H2/1 S16384 D32, top-1024 smoothed by 64-key blocks, about 0.02 of the span visible;
+// seed B1 H2/1 S16384 D32, top-1024 smoothed by 64-key blocks, 1-2% of the span visible (estimated);
 // gpu ms, prepared, gather / tile): forward 0.040 / 0.062, backward 0.088 / 0.449. A window of
 // 256 keys at S 8192 (about 0.09) keeps the rule above.
 inline constexpr double kSparseTilesShare = 0.05;
