@@ -252,6 +252,19 @@ def test_speedups_and_table():
     assert lines[2].index("2.000") + 5 == lines[1].index(" ms") + 3
 
 
+def test_proportionality_of_a_window_sweep():
+    def point(impl, x, gpu_ms, density):
+        return row(impl, "bwd", gpu_ms * 2, gpu_ms=gpu_ms, tile_density=density, suite="windows",
+                   case=f"D128 C win{x}", sweep="window, D128 Q=K=8192", x=x)
+    rows = [point("ours_tile", 8192, 5.0, 0.5), point("ours_tile", 1024, 1.0, 0.125),
+            point("ours_tile", 256, 0.5, 0.03125), point("flex", 1024, 2.0, 0.125)]
+    text = report.proportionality(rows).splitlines()
+    assert text[0].startswith("time over tile density")
+    # 1.0 / (0.125 / 0.5 x 5.0) = 0.8; 0.5 / (0.0625 x 5.0) = 1.6; flex has one point: no line.
+    assert text[1:] == ["  windows: window, D128 Q=K=8192, ours_tile bwd: 256 1.60x, 1024 0.80x, 8192 1.00x"]
+    assert report.proportionality([row("ours", "fwd", 1.0)]) == ""
+
+
 def test_json_merge_keeps_other_keys_and_rows():
     existing = {"device": "GPU", "forward": [{"workload": "w", "ms": 1.0}],
                 "bench_cli": {"seed": {"rows": [row("ours", "fwd", 3.0), row("flex", "bwd", 9.0)]},

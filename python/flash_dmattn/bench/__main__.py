@@ -159,6 +159,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress.close()
 
     all_rows = [row for rows in rows_by_suite.values() for row in rows]
+    proportional = report.proportionality(all_rows)
+    if proportional:
+        print("\n" + proportional)
     _save(args, argv, device, device_name, rows_by_suite, all_rows, torch.__version__)
     failed = check.failures(comparisons)
     if args.check:

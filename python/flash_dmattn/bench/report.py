@@ -70,6 +70,30 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
+def proportionality(rows: List[dict]) -> str:
+    """Per sweep, implementation and mode: each point's time over (its tile density / the densest
+    point's) x the densest point's time, issue 26's measure of a time that follows the tile density
+    (1.0: proportional; more: the sparser point pays for more than its tiles). GPU time where
+    measured. Empty where no sweep has two points with a tile density."""
+    lines = []
+    for name, group in group_by_sweep(rows).items():
+        series: Dict[tuple, List[dict]] = {}
+        for r in group:
+            if r["status"] == "ok" and r.get("tile_density") and (r.get("gpu_ms") or r.get("ms")):
+                series.setdefault((r["impl"], r["mode"]), []).append(r)
+        for (impl, mode), points in series.items():
+            if len(points) < 2:
+                continue
+            time = lambda r: r.get("gpu_ms") or r["ms"]
+            densest = max(points, key=lambda r: r["tile_density"])
+            ratios = ", ".join(f"{r['x']} {time(r) / time(densest) * densest['tile_density'] / r['tile_density']:.2f}x"
+                               for r in sorted(points, key=lambda r: r["x"]))
+            lines.append(f"  {name}, {impl} {mode}: {ratios}")
+    if not lines:
+        return ""
+    return "\n".join(["time over tile density x the densest point's time (1.00x: proportional):", *lines])
+
+
 # Decimals kept in the JSON per field: timings to 0.1 µs, rates to 0.01 TFLOP/s.
 _DECIMALS = {"ms": 4, "gpu_ms": 4, "prep_ms": 4, "total_ms": 4, "vs_ours": 3, "dense_tflops": 2, "visited_tflops": 2,
              "tile_density": 4, "peak_mib": 1}
