@@ -51,15 +51,12 @@ cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists
   cudaError_t error = cudaStreamIsCapturing(stream, &capture);
   if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
   const std::size_t n = static_cast<std::size_t>(e.lists());
-  work->known = true;
-  if (n == 0) return cudaSuccess;
   // The counts and the block counts lie back to back (key_lists_bytes): one copy.
   std::vector<int> sizes(2 * n);
-  error = cudaMemcpyAsync(sizes.data(), lists.counts, sizes.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
-  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) {
-    work->known = false;
-    return error;
+  if (n > 0) {
+    error = cudaMemcpyAsync(sizes.data(), lists.counts, sizes.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
+    if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+    if (error != cudaSuccess) return error;
   }
   // List t of (batch, head) is query tile t % query_tiles(); its rows see keys up to the causal
   // limit of its last row, j <= rows_end - 1 + diagonal.
@@ -72,6 +69,7 @@ cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists
     work->visible += sizes[n + list];
     work->span += chunks(keys);
   }
+  work->known = true;
   return cudaSuccess;
 }
 

@@ -75,16 +75,18 @@ def proportionality(rows: List[dict]) -> str:
     point's) x the densest point's time, issue 26's measure of a time that follows the tile density
     (1.0: proportional; more: the sparser point pays for more than its tiles). GPU time where
     measured. Empty where no sweep has two points with a tile density."""
+    def time(r: dict) -> Optional[float]:
+        return r.get("gpu_ms") or r.get("ms")
+
     lines = []
     for name, group in group_by_sweep(rows).items():
         series: Dict[tuple, List[dict]] = {}
         for r in group:
-            if r["status"] == "ok" and r.get("tile_density") and (r.get("gpu_ms") or r.get("ms")):
+            if r["status"] == "ok" and r.get("tile_density") and time(r):
                 series.setdefault((r["impl"], r["mode"]), []).append(r)
         for (impl, mode), points in series.items():
             if len(points) < 2:
                 continue
-            time = lambda r: r.get("gpu_ms") or r["ms"]
             densest = max(points, key=lambda r: r["tile_density"])
             ratios = ", ".join(f"{r['x']} {time(r) / time(densest) * densest['tile_density'] / r['tile_density']:.2f}x"
                                for r in sorted(points, key=lambda r: r["x"]))
