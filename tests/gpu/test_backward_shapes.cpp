@@ -81,6 +81,48 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardGqa,
                                             ::testing::Values(0, 1, 2)),
                          gqa_name);
 
+// ---- the gather backward's paired heads ----
+// Where two query heads of a KV head read one mask head, bias head and dbias accumulator, the
+// gather backward stacks both heads' rows in one tile (sm80/bwd_kernel.h,
+// gather_backward_pairs_heads), whose dK and dV sum them in the MMA, at the head dims that
+// take it (D128; D64 runs one head per CTA, as a control). Groups of 2 and 4, mask heads 1 and
+// Hk, bias (B, Hk, 1, Sk)
+// (dbias per key, summed over rows), (1, 1, Sq, Sk) (dbias per element, summed over heads) or
+// none; softcap on the odd cases. Odd lengths, so that the last query tile holds rows past Sq.
+using PairedParam = std::tuple<int, int, int, int>;  // head dim, group, mask heads (0: 1, 1: Hk), bias
+
+class BackwardPairedHeads : public GpuParamTest<PairedParam> {};
+
+TEST_P(BackwardPairedHeads, MatchesReference) {
+  auto rng = test_rng();
+  const auto [head_dim, group, mask_heads, bias] = GetParam();
+  BackwardCase c;
+  c.n = Sizes{2, 97, 150, 2 * group, 2, head_dim};
+  c.dtype = DType::bfloat16;
+  c.mask = OperandShape{true, mask_heads == 0 ? 1 : c.n.Hk, true, true};
+  c.density = 0.3;
+  if (bias == 1) c.bias = OperandShape{true, c.n.Hk, false, true};
+  if (bias == 2) c.bias = OperandShape{false, 1, true, true};
+  c.causal = true;
+  if ((group + mask_heads + bias) % 2 == 1) {
+    c.softcap = 5.0;
+    c.scale = 1.0;
+  }
+  expect_backward_matches_reference(BackwardProblem::random(c, rng), stream());
+}
+
+std::string paired_name(const ::testing::TestParamInfo<PairedParam>& test) {
+  const auto [head_dim, group, mask_heads, bias] = test.param;
+  const char* biases[3] = {"none", "BHk1Sk", "11SqSk"};
+  return "D" + std::to_string(head_dim) + "_G" + std::to_string(group) + "_maskheads_" + (mask_heads == 0 ? "1" : "Hk") +
+         "_bias_" + biases[bias];
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward, BackwardPairedHeads,
+                         ::testing::Combine(::testing::Values(64, 128), ::testing::Values(2, 4),
+                                            ::testing::Values(0, 1), ::testing::Values(0, 1, 2)),
+                         paired_name);
+
 // ---- causal alignment with Sq < Sk, Sq = Sk, Sq > Sk; softcap off and on ----
 
 using CausalParam = std::tuple<std::tuple<int, int>, double>;  // (Sq, Sk), softcap

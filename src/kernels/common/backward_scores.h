@@ -30,15 +30,22 @@ struct BackwardRowStats {
 
   template <typename CoordsRC>
   __device__ __forceinline__ void load(const BackwardParams& p, int b, int h, int row0, const CoordsRC& coords_rc) {
+    load(p, b, RowMap{1, h, p.fwd.seqlen_q}, row0, coords_rc);
+  }
+
+  // Packed rows (several query heads in one tile): row0 and coords_rc count packed rows.
+  template <typename CoordsRC>
+  __device__ __forceinline__ void load(const BackwardParams& p, int b, const RowMap& rows, int row0,
+                                       const CoordsRC& coords_rc) {
     const ForwardParams& f = p.fwd;
-    const float* lse_row = f.lse + b * f.lse_batch_stride + h * f.lse_head_stride;
-    const float* dsum_row = p.dsum + (std::int64_t(b) * f.heads + h) * f.seqlen_q;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int i = row0 + cute::get<0>(coords_rc(r, 0));
+      const int packed = row0 + cute::get<0>(coords_rc(r, 0));
+      const int i = rows.query(packed), h = rows.head(packed);
+      const int existing = min(i, f.seqlen_q - 1);
       exists[r] = i < f.seqlen_q;
-      lse[r] = lse_row[min(i, f.seqlen_q - 1)];
-      dsum[r] = dsum_row[min(i, f.seqlen_q - 1)];
+      lse[r] = f.lse[b * f.lse_batch_stride + h * f.lse_head_stride + existing];
+      dsum[r] = p.dsum[(std::int64_t(b) * f.heads + h) * f.seqlen_q + existing];
     }
   }
 

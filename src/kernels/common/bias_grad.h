@@ -138,12 +138,14 @@ struct BiasGradTile {
   }
 
   // The gather path's (bwd_gather_mainloop.h): the dZ of one chunk of a query tile's key list,
-  // whose column k is key keys[k] (k < valid). Elements go out by reductions at once; per-key
-  // sums are kept (columns) until deposit_columns() and flush_gathered_columns(). Every
-  // reduction: other query tiles (and heads) share the keys.
-  template <typename TensorZ, typename TensorC>
-  __device__ __forceinline__ void add_gathered(const TensorZ& dz, const TensorC& coords, int head, int row0,
-                                               const int* keys, int valid, int seqlen_q) {
+  // whose column k is key keys[k] (k < valid); queries[r]: the query row of the thread's row r
+  // (with packed heads, every row's head reads bias head head / head_divisor). Elements go out
+  // by reductions at once; per-key sums are kept (columns) until deposit_columns() and
+  // flush_gathered_columns(). Every reduction: other query tiles (and heads) share the keys.
+  template <typename TensorZ, typename TensorC, int kQueryRows>
+  __device__ __forceinline__ void add_gathered(const TensorZ& dz, const TensorC& coords, int head,
+                                               const int (&queries)[kQueryRows], const int* keys, int valid,
+                                               int seqlen_q) {
     using namespace cute;
     constexpr int kRows = decltype(size<0>(dz))::value;
     constexpr int kCols = decltype(size<1>(dz))::value;
@@ -152,9 +154,10 @@ struct BiasGradTile {
       return;
     }
     if (g.kind != BiasGradKind::elements) return;
+    static_assert(kQueryRows == kRows);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int i = row0 + get<0>(coords(r, 0));
+      const int i = queries[r];
       if (i >= seqlen_q) continue;
       const std::int64_t row = accum_offset(head, i, 0);
       CUTE_UNROLL

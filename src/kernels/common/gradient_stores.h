@@ -14,10 +14,10 @@ namespace flash_dmattn::kernels {
 
 // Writes an accumulator (rows, D) to global memory in Element, times `factor`: pairs of
 // neighbouring columns as one 4-byte store, rows at or past `valid_rows` and columns at or past
-// `head_dim` skipped.
-template <typename Element, typename Acc, typename TensorC>
-__device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords, Element* base, std::int64_t row_stride,
-                                           int valid_rows, int head_dim, float factor) {
+// `head_dim` skipped. row_pointer(row): where the row goes (rows of packed heads go to their heads).
+template <typename Element, typename Acc, typename TensorC, typename RowPointer>
+__device__ __forceinline__ void store_rows_at(const Acc& acc, const TensorC& coords, RowPointer row_pointer,
+                                              int valid_rows, int head_dim, float factor) {
   using namespace cute;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); e += 2) {
@@ -27,9 +27,15 @@ __device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords
       cutlass::Array<float, 2> pair;
       pair[0] = acc(e) * factor;
       pair[1] = acc(e + 1) * factor;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(base + row * row_stride + col) = convert(pair);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(row_pointer(row) + col) = convert(pair);
     }
   }
+}
+
+template <typename Element, typename Acc, typename TensorC>
+__device__ __forceinline__ void store_rows(const Acc& acc, const TensorC& coords, Element* base, std::int64_t row_stride,
+                                           int valid_rows, int head_dim, float factor) {
+  store_rows_at<Element>(acc, coords, [&](int row) { return base + row * row_stride; }, valid_rows, head_dim, factor);
 }
 
 // dq_accum += dQ of one query tile, by fire-and-forget reductions. This is also what makes

@@ -1,8 +1,12 @@
-// The sm80 backward on the gather path, for one (query tile, query head, batch): the CTA walks its
+// The sm80 backward on the gather path, for one (query tile, query heads, batch): the CTA walks its
 // key list (key_lists.cu) in chunks of kBlockN keys with dQ in registers throughout, and adds each
 // chunk's dK, dV and dBias at the gathered keys by fp32 reductions into the workspace, which
 // reduce_dk_dv() and reduce_bias_grad() write out. Its cost follows the kept keys, where the
 // key-tile backward (bwd_mainloop.h) pays for every tile a scattered mask leaves partly visible.
+// With Traits::kPackedHeads > 1 the tile's rows are those of several query heads of one KV head
+// that read one list (RowMap packing: packed row r is query r / heads of head r % heads): the dK
+// and dV GEMMs then sum the heads, and each reduction serves all of them. The reductions bound
+// this kernel (ncu: about 6.5 GB of them into L2 at the training shape, one head per CTA).
 // The loop body is that kernel's algorithm with the roles of the tiles swapped:
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P, dZ (-> dBias), dS  ->  dQ += dS·K,  dV[keys] += Pᵀ·dO,  dK[keys] += dSᵀ·Q
 // K and V of the next chunk are gathered while this one computes (two buffers); the list's keys
@@ -12,7 +16,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "kernels/common/backward_loads.h"
 #include "kernels/common/backward_scores.h"
 #include "kernels/common/bias_grad.h"
 #include "kernels/common/fragment_layouts.h"
@@ -20,6 +23,7 @@
 #include "kernels/common/gradient_stores.h"
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/softmax.h"
+#include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
 #include "kernels/sm80/bwd_mainloop.h"
 #include "kernels/sm80/bwd_traits.h"
@@ -31,13 +35,16 @@ namespace flash_dmattn::kernels::sm80 {
 // reduction, the list's staging.
 template <typename Traits>
 struct GatherBackwardSmem {
-  using List = GatheredKeys<Traits::kBlockM, Traits::kBlockN, 3>;
+  // Lists are built per query tile of kListRows rows; a packed tile holds that many of each head.
+  static constexpr int kListRows = Traits::kBlockM / Traits::kPackedHeads;
+  using List = GatheredKeys<kListRows, Traits::kBlockN, 3>;
   static constexpr int kKVBuffer = 2 * Traits::kKVElems;  // K then V, per buffer
   static constexpr int kElems = 2 * Traits::kQElems + 2 * kKVBuffer + 2 * Traits::kPdSElems;
   static constexpr int kBytes = kElems * static_cast<int>(sizeof(typename Traits::Element)) +
                                 Traits::kReduceFloats * static_cast<int>(sizeof(float)) + List::kSmemBytes;
 };
 
+// m_block: the query tile of the list; h: the first of the tile's query heads.
 template <typename Traits>
 __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParams& p, char* smem, int m_block, int h,
                                                              int b) {
@@ -47,10 +54,14 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kQElems = Traits::kQElems, kKVElems = Traits::kKVElems, kPdSElems = Traits::kPdSElems;
   constexpr int kKVBuffer = Smem::kKVBuffer;
+  constexpr int kPacked = Traits::kPackedHeads;
   const ForwardParams& f = p.fwd;
   const int tid = threadIdx.x;
   const int kv_h = h / (f.heads / f.kv_heads);
-  const int row0 = m_block * kBlockM;
+  const RowMap rows{kPacked, h, f.seqlen_q * kPacked};
+  const int query0 = m_block * Smem::kListRows;
+  const int row0 = m_block * kBlockM;               // in packed rows
+  const int valid_rows = (f.seqlen_q - query0) * kPacked;  // packed rows before Sq
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(sQ.data() + kQElems, typename Traits::SmemLayoutQ{});
@@ -60,7 +71,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor sP = make_tensor(sK.data() + 2 * kKVBuffer, typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
-  const typename Smem::List list(f.lists, b, h, m_block * Traits::kBlockM, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
+  const typename Smem::List list(f.lists, b, h, query0, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
@@ -127,11 +138,11 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
-  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, RowMap{1, h, f.seqlen_q}, row0, tScS);
+  const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, rows, row0, tScS);
   BiasGradTile<kBlockM, kBlockN, Traits::kNThreads, RegisterColumnSums<kBlockN, kCols, Traits::kSdpWarpsM>> dbias(
       p, b, kv_h);
   BackwardRowStats<kRows> stats;
-  stats.load(p, b, h, row0, tScS_rc);
+  stats.load(p, b, rows, row0, tScS_rc);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
 
@@ -149,8 +160,15 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
 
   // Q, dO and chunk 0's keys, then chunk 1's keys; chunk 0's K and V once its keys have landed.
   const int chunks = list.chunks();
-  copy_q_do_async<Element, kBlockM, kHeadDim>(p, b, h, m_block, gmem_thr, gmem_thr.partition_D(sQ),
-                                               gmem_thr.partition_D(sdO), tQcQ);
+  auto packed_rows = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride,
+                         std::int64_t row_stride) {
+    const Element* const rows_of_b = static_cast<const Element*>(base) + b * batch_stride;
+    return [=](int r) { return rows_of_b + rows.offset(row0 + r, row_stride, head_stride); };
+  };
+  copy_rows_by_pointer_async<Element>(gmem_thr.partition_D(sQ), tQcQ, valid_rows, f.head_dim,
+                                      packed_rows(f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride));
+  copy_rows_by_pointer_async<Element>(gmem_thr.partition_D(sdO), tQcQ, valid_rows, f.head_dim,
+                                      packed_rows(p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride));
   if (chunks > 0) list.stage(0, tid, Traits::kNThreads);
   cp_async_fence();
   if (chunks > 1) list.stage(1, tid, Traits::kNThreads);
@@ -193,7 +211,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
         cap.dcap[r][col] = dcap;
       });
     });
-    dbias.add_gathered(dz, tScS_rc, h, row0, keys, valid, f.seqlen_q);
+    dbias.add_gathered(dz, tScS_rc, h, policy.row_index, keys, valid, f.seqlen_q);
     apply_softcap_grads(f.softcap, acc_dp, cap);
     Tensor p_values = convert_fragment<Element>(acc_s);
     Tensor ds_values = convert_fragment<Element>(acc_dp);
@@ -221,9 +239,10 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   cp_async_wait<0>();  // nothing is left in flight when the list is empty
 
   // dQ = scale·Σ dS·K over the whole list: this CTA is its only writer.
-  Element* const dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-                      std::int64_t(row0) * p.dq_row_stride;
-  store_rows(acc_dq, tdQcdQ, dq, p.dq_row_stride, f.seqlen_q - row0, f.head_dim, f.scale);
+  Element* const dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride;
+  store_rows_at<Element>(
+      acc_dq, tdQcdQ, [&](int r) { return dq + rows.offset(row0 + r, p.dq_row_stride, p.dq_head_stride); },
+      valid_rows, f.head_dim, f.scale);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

@@ -20,18 +20,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   });
 }
 
-// The gather path's grid: x the query tiles, the last first (under causal masking they keep the
-// most keys), y the query head, z the batch.
-__host__ __device__ inline GridShape gather_backward_grid(const BackwardParams& p, int block_m) {
-  return {(p.fwd.seqlen_q + block_m - 1) / block_m, p.fwd.heads, p.fwd.batch};
+// The gather path's grid: x the query tiles of the lists, the last first (under causal masking
+// they keep the most keys), y the query heads in groups of `packed_heads`, z the batch.
+__host__ __device__ inline GridShape gather_backward_grid(const BackwardParams& p, int list_rows, int packed_heads) {
+  return {(p.fwd.seqlen_q + list_rows - 1) / list_rows, p.fwd.heads / packed_heads, p.fwd.batch};
 }
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_gather_kernel(const __grid_constant__ BackwardParams params) {
   extern __shared__ __align__(128) char smem[];
-  const GridShape shape = gather_backward_grid(params, Traits::kBlockM);
+  const GridShape shape = gather_backward_grid(params, GatherBackwardSmem<Traits>::kListRows, Traits::kPackedHeads);
   const GridCoords cta = unfold_block(shape);
-  backward_gathered_query_tile<Traits>(params, smem, static_cast<int>(shape.x) - 1 - cta.x, cta.y, cta.z);
+  backward_gathered_query_tile<Traits>(params, smem, static_cast<int>(shape.x) - 1 - cta.x,
+                                       cta.y * Traits::kPackedHeads, cta.z);
+}
+
+// Whether query heads h and h + 1 (h even) of a KV head read one key list, one bias head and one
+// dbias accumulator: then the gather backward takes them in one CTA (GatheredKeys, RowMap
+// packing), and its dK/dV reductions serve both. Mask and bias with one head per KV head (or one
+// for all) do; one per query head does not.
+inline bool gather_backward_pairs_heads(const BackwardParams& p) {
+  const ForwardParams& f = p.fwd;
+  auto shared_by_pairs = [](std::int64_t head_stride, int head_divisor) {
+    return head_stride == 0 || head_divisor % 2 == 0;
+  };
+  return f.kv_heads > 0 && (f.heads / f.kv_heads) % 2 == 0 &&
+         shared_by_pairs(f.lists.head_stride, f.lists.head_divisor) &&
+         (f.bias.ptr == nullptr || shared_by_pairs(f.bias.head_stride, f.bias.head_divisor)) &&
+         (p.dbias.kind == BiasGradKind::none || shared_by_pairs(p.dbias.accum_head_stride, p.dbias.head_divisor));
+}
+
+template <typename Traits>
+cudaError_t launch_gather_backward(const BackwardParams& params, cudaStream_t stream) {
+  using Smem = GatherBackwardSmem<Traits>;
+  const GridShape grid = gather_backward_grid(params, Smem::kListRows, Traits::kPackedHeads);
+  if (grid.x * grid.y * grid.z == 0) return cudaSuccess;
+  return launch_folded<Smem::kBytes>(&backward_gather_kernel<Traits>, grid, Traits::kNThreads, stream, params);
 }
 
 // The gather path runs head dims up to 128 (sm80/tile_size.h kMaxGatherBackwardHeadDim): past
@@ -45,10 +69,15 @@ cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
     if (params.fwd.lists.block_m != Traits::kBlockM || params.fwd.lists.block_n != Traits::kBlockN) {
       return cudaErrorInvalidValue;
     }
-    const GridShape grid = gather_backward_grid(params, Traits::kBlockM);
-    if (grid.x * grid.y * grid.z == 0) return cudaSuccess;
-    return launch_folded<GatherBackwardSmem<Traits>::kBytes>(&backward_gather_kernel<Traits>, grid, Traits::kNThreads,
-                                                             stream, params);
+    // Two heads per CTA where they share their list and the device has the shared memory (an
+    // A100's 163 KB per CTA holds the paired D128 tile only just not).
+    if constexpr (gather_backward_pairs_heads_at(kHeadDim)) {
+      using Paired = BackwardTraits<Element, kHeadDim, 2>;
+      if (gather_backward_pairs_heads(params) && GatherBackwardSmem<Paired>::kBytes <= max_dynamic_smem_per_block()) {
+        return launch_gather_backward<Paired>(params, stream);
+      }
+    }
+    return launch_gather_backward<Traits>(params, stream);
   } else {
     return cudaErrorNotSupported;
   }

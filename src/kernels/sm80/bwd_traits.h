@@ -10,11 +10,14 @@
 
 namespace flash_dmattn::kernels::sm80 {
 
-template <typename Element_, int kHeadDim_>
+// kPackedHeads > 1: the gather backward's tile of that many query heads' rows (gather_backward_tile).
+template <typename Element_, int kHeadDim_, int kPackedHeads_ = 1>
 struct BackwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr BackwardTile kTile = backward_tile(kHeadDim);
+  static constexpr int kPackedHeads = kPackedHeads_;
+  static constexpr BackwardTile kTile = kPackedHeads == 1 ? backward_tile(kHeadDim)
+                                                          : gather_backward_tile(kHeadDim, kPackedHeads);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.warps;

@@ -54,4 +54,22 @@ constexpr BackwardTile backward_tile(int head_dim) {
 // The backward's gather path (bwd_gather_mainloop.h) runs head dims up to this one.
 inline constexpr int kMaxGatherBackwardHeadDim = 128;
 
+// The gather backward with the rows of `heads` query heads of one KV head stacked in one tile
+// (they read one key list): block_m rows of each head, so that dK = dSᵀ·Q and dV = Pᵀ·dO sum the
+// heads inside the MMA and each chunk's fp32 reductions serve them all. S and dP take one warp per
+// 16 rows: the 4 x 2 grid's per-row state (four rows a thread) spilled 160 bytes at D = 128
+// against 112.
+constexpr BackwardTile gather_backward_tile(int head_dim, int heads) {
+  BackwardTile tile = backward_tile(head_dim);
+  tile.block_m *= heads;
+  tile.sdp_warps_m = 8;
+  return tile;
+}
+
+// The head dims whose gather backward takes two heads per CTA. Measured on an H200 (bench CLI,
+// B2 H16/4 S8192 causal, top-2048 scattered keys, prepared mask, gpu ms): D128 4.66 -> 3.55;
+// D64 2.77 -> 2.70, with 304 bytes of spills; the seed's D32 slower (top-1024 0.168 -> 0.175,
+// top-4096 0.495 -> 0.531, its 64-key-block mask 0.086 -> 0.138). D96 is not measured.
+constexpr bool gather_backward_pairs_heads_at(int head_dim) { return head_dim > 96 && head_dim <= 128; }
+
 }  // namespace flash_dmattn::kernels::sm80
