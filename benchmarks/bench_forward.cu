@@ -72,6 +72,7 @@ const Workload kWorkloads[] = {
     {"seed_dense_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::all_true, 0},
     {"seed_scatter1024_d32_s16k", 1, 2, 1, 16384, 16384, 32, true, MaskKind::scattered, 1024},
     {"train_scatter2048_d128", 2, 16, 4, 8192, 8192, 128, true, MaskKind::scattered, 2048},
+    {"train_scatter2048_d64", 2, 16, 4, 8192, 8192, 64, true, MaskKind::scattered, 2048},
     // The seed's few heads at D128: the gather backward's grid of head pairs is two waves.
     {"seed_scatter1024_d128_s16k", 1, 2, 1, 16384, 16384, 128, true, MaskKind::scattered, 1024},
     {"decode_sk131072_d128", 1, 32, 8, 1, 131072, 128, false, MaskKind::all_true, 0, true, false},
