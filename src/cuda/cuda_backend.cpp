@@ -426,6 +426,7 @@ struct BackwardPlan {
   int dq_slots = 1;
   bool separate_dq = false;  // dQ by the sm90a dQ kernel: no dq slots (BackwardParams::separate_dq)
   bool gather = false;       // the gather path: key lists, dQ per query tile, dK and dV by reductions
+  bool pair_heads = false;   // the gather path's CTAs take two query heads (gather_backward_pairs)
   kernels::KeyListExtent lists;
   kernels::BiasGrad dbias;  // everything but the pointers
   std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
@@ -449,6 +450,17 @@ bool gather_backward(const BackwardArgs& a, const Problem& p) {
   return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
+// Whether the gather backward takes two query heads of a KV head per CTA (BackwardParams::
+// pair_heads): at the head dims that gain from it, in even GQA groups whose heads pairwise read
+// one list (list_heads: the mask's or the indices' heads) and one bias head (bias_heads, 0: no
+// bias), where the device has the shared memory (not an A100's 163 KB at D128).
+bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
+  auto pairs_share = [&](std::int64_t operand_heads) { return operand_heads == 1 || (p.heads / operand_heads) % 2 == 0; };
+  return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) && p.group_size() % 2 == 0 &&
+         pairs_share(list_heads) && (bias_heads == 0 || pairs_share(bias_heads)) &&
+         smem_fits(kernels::sm80::gather_backward_paired_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
+}
+
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
   if (gather_backward(a, p)) {
@@ -457,6 +469,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
     const TensorView& source = list_source(a.mask, a.indices);
     plan.lists = list_extent(source, p, tile.block_m, tile.block_n);
+    plan.pair_heads = gather_backward_pairs(source.shape[1], a.bias ? a.bias->shape[1] : 0, p);
     if (!lists_prepared(a.prepared_mask, plan.lists, source, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
     plan.dq_slots = 0;  // every query tile's CTA writes its dQ (gather_backward() ruled deterministic mode out)
@@ -557,6 +570,7 @@ kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p,
     b.dbias.row_stride = d.shape[2] == 1 ? 0 : d.stride[2];
   }
   b.dq_slots = plan.dq_slots;
+  b.pair_heads = plan.pair_heads;
   b.deterministic = p.deterministic;
   b.key_splits = plan.key_splits;
   b.separate_dq = plan.separate_dq;
@@ -703,7 +717,9 @@ class CudaSm80Backend final : public BackendImpl {
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
       const bool sm90a = gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a;
       prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
-      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim));
+      // A preparation without the bias assumes that the calls' bias heads let the heads pair.
+      const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
+      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, pairs));
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
     // forwards keep the tile path leaves their room unused.

@@ -70,8 +70,14 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 // sm80 threshold.
 inline constexpr double kGatherForwardShare = 0.5;       // the sm80 gather forward, and D32
 inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather forward, D > 32
-inline double gather_backward_share(std::int64_t head_dim) {
+// paired_heads: the gather backward takes two query heads per CTA (gather_backward_pairs in
+// cuda_backend.cpp). Measured so on an H200 (2026-11-27, the crossover suite at D128, gpu ms,
+// gathered / tile): share 0.44 3.58 / 7.40, 0.62 4.86 / 7.25, 0.76 5.89 / 6.99, 0.94 7.20 / 6.28,
+// 1.0 7.54 / 5.33: the lines cross near 0.86.
+inline constexpr double kPairedGatherBackwardShare = 0.8;
+inline double gather_backward_share(std::int64_t head_dim, bool paired_heads) {
   if (head_dim <= 32) return 1.0;
+  if (paired_heads) return kPairedGatherBackwardShare;
   return head_dim <= 64 ? 0.8 : 0.65;  // D96: its tile backward is sm80's, slower than sm90a's
 }
 // A decode (one query row) pays less for its gathers: its kept keys are split across CTAs, each

@@ -34,5 +34,17 @@ TEST(GatherPays, ChoosesByTheTilesThePathWouldVisit) {
   EXPECT_FALSE(gather_pays(unknown, 1.0));
 }
 
+TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
+  EXPECT_EQ(gather_backward_share(128, false), 0.65);
+  EXPECT_EQ(gather_backward_share(128, true), kPairedGatherBackwardShare);
+  EXPECT_EQ(gather_backward_share(64, false), 0.8);
+  EXPECT_EQ(gather_backward_share(32, true), 1.0);
+  // Scattered keys at 0.76 of the span (top-4096 of 8192): gathered with paired heads only.
+  ListedWork work;
+  work.listed = 76, work.visible = 100, work.span = 100, work.known = true;
+  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, true)));
+  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, false)));
+}
+
 }  // namespace
 }  // namespace flash_dmattn

@@ -83,8 +83,8 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardGqa,
 
 // ---- the gather backward's paired heads ----
 // Where two query heads of a KV head read one mask head, bias head and dbias accumulator, the
-// gather backward stacks both heads' rows in one tile (sm80/bwd_kernel.h,
-// gather_backward_pairs_heads), whose dK and dV sum them in the MMA, at the head dims that
+// gather backward stacks both heads' rows in one tile (gather_backward_pairs in
+// src/cuda/cuda_backend.cpp), whose dK and dV sum them in the MMA, at the head dims that
 // take it (D128; D64 runs one head per CTA, as a control). Groups of 2 and 4, mask heads 1 and
 // Hk, bias (B, Hk, 1, Sk)
 // (dbias per key, summed over rows), (1, 1, Sq, Sk) (dbias per element, summed over heads) or

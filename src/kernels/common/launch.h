@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -23,25 +22,6 @@ inline cudaError_t raise_smem_limit_once(const void* kernel, int device, int byt
   const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (status == cudaSuccess) raised.emplace(kernel, device);
   return status;
-}
-
-// The dynamic shared memory a CTA of the current device may opt in to, read once per device
-// (0 where the device cannot be read: every kernel that needs the query is then left out).
-inline int max_dynamic_smem_per_block() {
-  static std::mutex mutex;
-  static std::map<int, int> limits;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto known = limits.find(device);
-  if (known != limits.end()) return known->second;
-  int bytes = 0;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // not left for the next launch's check to find
-    return 0;
-  }
-  limits.emplace(device, bytes);
-  return bytes;
 }
 
 // Lets `kernel` take kSmem bytes of dynamic shared memory: above 48 KB only after raising its

@@ -35,21 +35,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
                                        cta.y * Traits::kPackedHeads, cta.z);
 }
 
-// Whether query heads h and h + 1 (h even) of a KV head read one key list, one bias head and one
-// dbias accumulator: then the gather backward takes them in one CTA (GatheredKeys, RowMap
-// packing), and its dK/dV reductions serve both. Mask and bias with one head per KV head (or one
-// for all) do; one per query head does not.
-inline bool gather_backward_pairs_heads(const BackwardParams& p) {
-  const ForwardParams& f = p.fwd;
-  auto shared_by_pairs = [](std::int64_t head_stride, int head_divisor) {
-    return head_stride == 0 || head_divisor % 2 == 0;
-  };
-  return f.kv_heads > 0 && (f.heads / f.kv_heads) % 2 == 0 &&
-         shared_by_pairs(f.lists.head_stride, f.lists.head_divisor) &&
-         (f.bias.ptr == nullptr || shared_by_pairs(f.bias.head_stride, f.bias.head_divisor)) &&
-         (p.dbias.kind == BiasGradKind::none || shared_by_pairs(p.dbias.accum_head_stride, p.dbias.head_divisor));
-}
-
 template <typename Traits>
 cudaError_t launch_gather_backward(const BackwardParams& params, cudaStream_t stream) {
   using Smem = GatherBackwardSmem<Traits>;
@@ -69,13 +54,10 @@ cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
     if (params.fwd.lists.block_m != Traits::kBlockM || params.fwd.lists.block_n != Traits::kBlockN) {
       return cudaErrorInvalidValue;
     }
-    // Two heads per CTA where they share their list and the device has the shared memory (an
-    // A100's 163 KB per CTA holds the paired D128 tile only just not).
+    // Two heads per CTA where the host found that they share their list, bias head and dbias
+    // accumulator, and that the device has the shared memory (BackwardParams::pair_heads).
     if constexpr (gather_backward_pairs_heads_at(kHeadDim)) {
-      using Paired = BackwardTraits<Element, kHeadDim, 2>;
-      if (gather_backward_pairs_heads(params) && GatherBackwardSmem<Paired>::kBytes <= max_dynamic_smem_per_block()) {
-        return launch_gather_backward<Paired>(params, stream);
-      }
+      if (params.pair_heads) return launch_gather_backward<BackwardTraits<Element, kHeadDim, 2>>(params, stream);
     }
     return launch_gather_backward<Traits>(params, stream);
   } else {

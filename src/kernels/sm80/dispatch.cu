@@ -64,6 +64,27 @@ int gather_backward_smem_bytes(ElementType element, int head_dim) {
   return 0;
 }
 
+// In a function template, so that the head dims that keep one head per CTA never instantiate the
+// paired traits (a discarded `if constexpr` outside a template still does, and GCC 13 failed on
+// their layouts' constant evaluation there).
+template <typename Element, int kHeadDim>
+int paired_gather_backward_smem_bytes() {
+  if constexpr (gather_backward_pairs_heads_at(kHeadDim)) {
+    return GatherBackwardSmem<BackwardTraits<Element, kHeadDim, 2>>::kBytes;
+  } else {
+    return 0;
+  }
+}
+
+int gather_backward_paired_smem_bytes(ElementType element, int head_dim) {
+  const int bucket = head_dim_bucket(head_dim);
+#define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
+  if (element == ElementType::dtype && bucket == hdim) return paired_gather_backward_smem_bytes<cutlass_type, hdim>();
+  FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
+#undef FDMA_SM80_SMEM
+  return 0;
+}
+
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream) {
   const int bucket = head_dim_bucket(params.head_dim);
 #define FDMA_SM80_RUN(dtype, cutlass_type, hdim) \
