@@ -147,12 +147,12 @@ struct BackwardParams {
   float* dsum = nullptr;
   float* dq_accum = nullptr;
   int dq_slots = 1;
-  // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits one key tile
-  // of every key_splits (see backward_kernel) and owns dq slot s, whose elements only it reduces
-  // into. Otherwise one CTA per key tile, all reducing into slot 0.
   // The gather path's CTAs take two query heads of a KV head (the host decides: gather_backward_pairs
   // in cuda_backend.cpp; sm80/bwd_kernel.h runs it at the head dims gather_backward_pairs_heads_at names).
   bool pair_heads = false;
+  // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits one key tile
+  // of every key_splits (see backward_kernel) and owns dq slot s, whose elements only it reduces
+  // into. Otherwise one CTA per key tile, all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
   // The gather path (fwd.lists set, sm80 kernels): a CTA per query tile keeps dQ in registers and
