@@ -461,15 +461,23 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
          smem_fits(kernels::sm80::gather_backward_paired_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
+// Whether paired heads' gather backward runs on the sm90a kernel (wgmma, on the sm80 backward's
+// lists): where the build has it (with the sm90a kernels, at D128) and the family choice allows
+// sm90a (FLASH_DMATTN_KERNELS=sm80 forces the sm80 one).
+bool sm90a_gather_backward(const Problem& p, int arch) {
+  return kernels::sm90::has_gather_backward(element_type(p.dtype), static_cast<int>(p.head_dim)) &&
+         choose_family(p, arch, Pass::backward) == KernelFamily::sm90a;
+}
+
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
   if (gather_backward(a, p)) {
     plan.gather = true;
-    plan.family = KernelFamily::sm80;
     const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
     const TensorView& source = list_source(a.mask, a.indices);
     plan.lists = list_extent(source, p, tile.block_m, tile.block_n);
     plan.pair_heads = gather_backward_pairs(source.shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    plan.family = plan.pair_heads && sm90a_gather_backward(p, arch) ? KernelFamily::sm90a : KernelFamily::sm80;
     if (!lists_prepared(a.prepared_mask, plan.lists, source, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
     plan.dq_slots = 0;  // every query tile's CTA writes its dQ (gather_backward() ruled deterministic mode out)
@@ -483,7 +491,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
                                                               : kernels::sm80::backward_tile(head_dim).ctas_per_sm;
   plan.key_tiles = static_cast<int>((p.seqlen_k + block_n - 1) / block_n);
   const std::int64_t ctas_per_split = p.kv_heads * p.batch;
-  plan.separate_dq = plan.family == KernelFamily::sm90a && dq_in_own_kernel(a, p);
+  plan.separate_dq = !plan.gather && plan.family == KernelFamily::sm90a && dq_in_own_kernel(a, p);
   if (plan.separate_dq) {
     // dK, dV and dBias have one writer per element on the default grid, and dQ none there.
     plan.key_splits = std::max(1, plan.key_tiles);

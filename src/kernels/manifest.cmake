@@ -12,5 +12,8 @@ set(FLASH_DMATTN_SM90A_HEAD_DIMS 32 64 96 128)
 # Dense-equivalent backward, H200: D = 64 4.92 ms against 6.29 for sm80; D = 128 (split by query
 # rows) 7.90 against 8.65. D = 96 is untried with that split.
 set(FLASH_DMATTN_SM90A_BACKWARD_HEAD_DIMS 64 128)
+# Head dims of the sm90a gather backward (sm90/bwd_gather_mainloop.h: the D128 configuration of
+# the sm90a backward, two query heads per CTA).
+set(FLASH_DMATTN_SM90A_GATHER_BACKWARD_HEAD_DIMS 128)
 set(FLASH_DMATTN_CUTLASS_TYPE_float16 "cutlass::half_t")
 set(FLASH_DMATTN_CUTLASS_TYPE_bfloat16 "cutlass::bfloat16_t")

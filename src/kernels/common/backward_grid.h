@@ -12,6 +12,13 @@
 
 namespace flash_dmattn::kernels {
 
+// The gather path's grid (either kernel family): x the query tiles of the lists, the last first
+// (under causal masking they keep the most keys), y the query heads in groups of `packed_heads`,
+// z the batch.
+__host__ __device__ inline GridShape gather_backward_grid(const BackwardParams& p, int list_rows, int packed_heads) {
+  return {(p.fwd.seqlen_q + list_rows - 1) / list_rows, p.fwd.heads / packed_heads, p.fwd.batch};
+}
+
 __host__ __device__ inline int key_tile_count(const BackwardParams& p, int block_n) {
   return (p.fwd.seqlen_k + block_n - 1) / block_n;
 }

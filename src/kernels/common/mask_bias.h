@@ -28,6 +28,15 @@ struct RowMap {
                                                  std::int64_t head_stride) const {
     return query(packed_row) * row_stride + head(packed_row) * head_stride;
   }
+  // Row r's address in a tile whose packed row 0 is row0, in the tensor at `base` (batch_offset
+  // elements on: its batch's rows), for copy_rows_by_pointer_async.
+  template <typename Element>
+  __device__ __forceinline__ auto row_pointers(const void* base, std::int64_t batch_offset, int row0,
+                                               std::int64_t row_stride, std::int64_t head_stride) const {
+    const Element* const rows_of_batch = static_cast<const Element*>(base) + batch_offset;
+    const RowMap map = *this;
+    return [=](int r) { return rows_of_batch + map.offset(row0 + r, row_stride, head_stride); };
+  }
 };
 
 struct TileClass {

@@ -19,6 +19,7 @@
 #include "kernels/common/backward_scores.h"
 #include "kernels/common/bias_grad.h"
 #include "kernels/common/fragment_layouts.h"
+#include "kernels/common/gathered_backward.h"
 #include "kernels/common/gathered_keys.h"
 #include "kernels/common/gradient_stores.h"
 #include "kernels/common/mask_bias.h"
@@ -146,37 +147,16 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
 
-  const std::int64_t kv_rows = (std::int64_t(b) * f.kv_heads + kv_h) * f.seqlen_k;  // accumulator row of key 0
-  float* const dk_rows = p.dk_accum + kv_rows * f.head_dim;
-  float* const dv_rows = p.dv_accum + kv_rows * f.head_dim;
-  const Element* const k_rows = static_cast<const Element*>(f.k) + b * f.k_batch_stride + kv_h * f.k_head_stride;
-  const Element* const v_rows = static_cast<const Element*>(f.v) + b * f.v_batch_stride + kv_h * f.v_head_stride;
+  const GatheredRows<Element> gathered(p, b, kv_h);
   auto gather_k_v = [&](int c) {
     auto k_buffer = at_stage(tKsK, c % 2, kKVBuffer);
     auto v_buffer = at_stage(tVsV, c % 2, kKVBuffer);
-    list.load(k_buffer, tKVcKV, c, k_rows, f.k_row_stride, f.head_dim);
-    list.load(v_buffer, tKVcKV, c, v_rows, f.v_row_stride, f.head_dim);
+    list.load(k_buffer, tKVcKV, c, gathered.k, f.k_row_stride, f.head_dim);
+    list.load(v_buffer, tKVcKV, c, gathered.v, f.v_row_stride, f.head_dim);
   };
-
-  // Q, dO and chunk 0's keys, then chunk 1's keys; chunk 0's K and V once its keys have landed.
   const int chunks = list.chunks();
-  auto packed_rows = [&](const void* base, std::int64_t batch_stride, std::int64_t head_stride,
-                         std::int64_t row_stride) {
-    const Element* const rows_of_b = static_cast<const Element*>(base) + b * batch_stride;
-    return [=](int r) { return rows_of_b + rows.offset(row0 + r, row_stride, head_stride); };
-  };
-  copy_rows_by_pointer_async<Element>(gmem_thr.partition_D(sQ), tQcQ, valid_rows, f.head_dim,
-                                      packed_rows(f.q, f.q_batch_stride, f.q_head_stride, f.q_row_stride));
-  copy_rows_by_pointer_async<Element>(gmem_thr.partition_D(sdO), tQcQ, valid_rows, f.head_dim,
-                                      packed_rows(p.dout, p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride));
-  if (chunks > 0) list.stage(0, tid, Traits::kNThreads);
-  cp_async_fence();
-  if (chunks > 1) list.stage(1, tid, Traits::kNThreads);
-  cp_async_fence();
-  cp_async_wait<1>();
-  __syncthreads();
-  if (chunks > 0) gather_k_v(0);
-  cp_async_fence();
+  start_gathered_chunks<Element>(p, b, rows, row0, valid_rows, gmem_thr.partition_D(sQ), gmem_thr.partition_D(sdO),
+                                 tQcQ, list, Traits::kNThreads, gather_k_v);
 
   for (int c = 0; c < chunks; ++c) {
     const int buffer = c % 2;
@@ -227,22 +207,18 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
       Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       clear(acc_dv);
       gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      accumulate_gathered_rows(acc_dv, tdKVcdKV, dv_rows, keys, valid, f.head_dim);
+      accumulate_gathered_rows(acc_dv, tdKVcdKV, gathered.dv, keys, valid, f.head_dim);
     }
     {
       Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
       clear(acc_dk);
       gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      accumulate_gathered_rows(acc_dk, tdKVcdKV, dk_rows, keys, valid, f.head_dim);
+      accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, keys, valid, f.head_dim);
     }
   }
   cp_async_wait<0>();  // nothing is left in flight when the list is empty
 
-  // dQ = scale·Σ dS·K over the whole list: this CTA is its only writer.
-  Element* const dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride;
-  store_rows_at<Element>(
-      acc_dq, tdQcdQ, [&](int r) { return dq + rows.offset(row0 + r, p.dq_row_stride, p.dq_head_stride); },
-      valid_rows, f.head_dim, f.scale);
+  store_gathered_dq<Element>(acc_dq, tdQcdQ, p, b, rows, row0, valid_rows);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

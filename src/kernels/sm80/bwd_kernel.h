@@ -20,12 +20,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   });
 }
 
-// The gather path's grid: x the query tiles of the lists, the last first (under causal masking
-// they keep the most keys), y the query heads in groups of `packed_heads`, z the batch.
-__host__ __device__ inline GridShape gather_backward_grid(const BackwardParams& p, int list_rows, int packed_heads) {
-  return {(p.fwd.seqlen_q + list_rows - 1) / list_rows, p.fwd.heads / packed_heads, p.fwd.batch};
-}
-
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_gather_kernel(const __grid_constant__ BackwardParams params) {
   extern __shared__ __align__(128) char smem[];

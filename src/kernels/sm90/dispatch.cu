@@ -16,6 +16,8 @@ template <typename Element, int kHeadDim>
 cudaError_t run_gather_forward(const ForwardParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+cudaError_t run_gather_backward(const BackwardParams& params, cudaStream_t stream);
 
 bool has_forward(ElementType element, int head_dim) {
   [[maybe_unused]] const int bucket = sm80::head_dim_bucket(head_dim);
@@ -34,6 +36,12 @@ bool has_gather_forward(ElementType element, int head_dim) {
 bool has_backward(ElementType element, int head_dim) {
   [[maybe_unused]] const int bucket = sm80::head_dim_bucket(head_dim);
   FDMA_SM90_BACKWARD_KERNELS(FDMA_SM90_HAS)
+  return false;
+}
+
+bool has_gather_backward(ElementType element, int head_dim) {
+  [[maybe_unused]] const int bucket = sm80::head_dim_bucket(head_dim);
+  FDMA_SM90_GATHER_BACKWARD_KERNELS(FDMA_SM90_HAS)
 #undef FDMA_SM90_HAS
   return false;
 }
@@ -58,6 +66,13 @@ cudaError_t backward(const BackwardParams& params, cudaStream_t stream) {
   [[maybe_unused]] const int bucket = sm80::head_dim_bucket(params.fwd.head_dim);
 #define FDMA_SM90_RUN(dtype, cutlass_type, hdim) \
   if (params.fwd.element == ElementType::dtype && bucket == hdim) return run_backward<cutlass_type, hdim>(params, stream);
+  if (params.fwd.lists.keys) {
+#define FDMA_SM90_RUN_GATHER(dtype, cutlass_type, hdim) \
+  if (params.fwd.element == ElementType::dtype && bucket == hdim) return run_gather_backward<cutlass_type, hdim>(params, stream);
+    FDMA_SM90_GATHER_BACKWARD_KERNELS(FDMA_SM90_RUN_GATHER)
+#undef FDMA_SM90_RUN_GATHER
+    return cudaErrorNotSupported;
+  }
   FDMA_SM90_BACKWARD_KERNELS(FDMA_SM90_RUN)
 #undef FDMA_SM90_RUN
   return cudaErrorNotSupported;
