@@ -727,7 +727,8 @@ class CudaSm80Backend final : public BackendImpl {
       prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
       // A preparation without the bias assumes that the calls' bias heads let the heads pair.
       const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, pairs));
+      const bool sm90a_pairs = pairs && sm90a_gather_backward(p, device_info(p.device.index).arch);
+      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, pairs, sm90a_pairs));
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
     // forwards keep the tile path leaves their room unused.

@@ -75,9 +75,13 @@ inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather for
 // gathered / tile): share 0.44 3.58 / 7.40, 0.62 4.86 / 7.25, 0.76 5.89 / 6.99, 0.94 7.20 / 6.28,
 // 1.0 7.54 / 5.33: the lines cross near 0.86.
 inline constexpr double kPairedGatherBackwardShare = 0.8;
-inline double gather_backward_share(std::int64_t head_dim, bool paired_heads) {
+// sm90a_kernel: paired heads run the sm90a gather backward (sm90a_gather_backward in
+// cuda_backend.cpp). The same suite on an H200 (2026-11-27): share 0.76 4.60 / 6.98, 0.94 5.66 /
+// 6.28, 1.0 5.91 / 5.33: the lines cross near 0.97.
+inline constexpr double kSm90aPairedGatherBackwardShare = 0.95;
+inline double gather_backward_share(std::int64_t head_dim, bool paired_heads, bool sm90a_kernel = false) {
   if (head_dim <= 32) return 1.0;
-  if (paired_heads) return kPairedGatherBackwardShare;
+  if (paired_heads) return sm90a_kernel ? kSm90aPairedGatherBackwardShare : kPairedGatherBackwardShare;
   return head_dim <= 64 ? 0.8 : 0.65;  // D96: its tile backward is sm80's, slower than sm90a's
 }
 // A decode (one query row) pays less for its gathers: its kept keys are split across CTAs, each

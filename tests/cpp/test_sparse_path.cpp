@@ -37,6 +37,7 @@ TEST(GatherPays, ChoosesByTheTilesThePathWouldVisit) {
 TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
   EXPECT_EQ(gather_backward_share(128, false), 0.65);
   EXPECT_EQ(gather_backward_share(128, true), kPairedGatherBackwardShare);
+  EXPECT_EQ(gather_backward_share(128, true, true), kSm90aPairedGatherBackwardShare);
   EXPECT_EQ(gather_backward_share(64, false), 0.8);
   EXPECT_EQ(gather_backward_share(32, true), 1.0);
   // Scattered keys at 0.76 of the span (top-4096 of 8192): gathered with paired heads only.
@@ -44,6 +45,10 @@ TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
   work.listed = 76, work.visible = 100, work.span = 100, work.known = true;
   EXPECT_TRUE(gather_pays(work, gather_backward_share(128, true)));
   EXPECT_FALSE(gather_pays(work, gather_backward_share(128, false)));
+  // At 0.94 (top-6144 of 8192): gathered on the sm90a paired kernel only.
+  work.listed = 94;
+  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, true, true)));
+  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, true)));
 }
 
 }  // namespace
