@@ -458,7 +458,7 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
   auto pairs_share = [&](std::int64_t operand_heads) { return operand_heads == 1 || (p.heads / operand_heads) % 2 == 0; };
   return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) && p.group_size() % 2 == 0 &&
          pairs_share(list_heads) && (bias_heads == 0 || pairs_share(bias_heads)) &&
-         smem_fits(kernels::sm80::gather_backward_paired_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
+         smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim), 2), p);
 }
 
 // Whether paired heads' gather backward runs on the sm90a kernel (wgmma, on the sm80 backward's

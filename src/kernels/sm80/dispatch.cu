@@ -52,34 +52,25 @@ int gather_forward_smem_bytes(ElementType element, int head_dim) {
   return 0;
 }
 
-int gather_backward_smem_bytes(ElementType element, int head_dim) {
-  const int bucket = head_dim_bucket(head_dim);
-  if (bucket > kMaxGatherBackwardHeadDim) return 0;
-#define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
-  if constexpr (hdim <= kMaxGatherBackwardHeadDim) { \
-    if (element == ElementType::dtype && bucket == hdim) return GatherBackwardSmem<BackwardTraits<cutlass_type, hdim>>::kBytes; \
-  }
-  FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
-#undef FDMA_SM80_SMEM
-  return 0;
-}
-
-// In a function template, so that the head dims that keep one head per CTA never instantiate the
-// paired traits (a discarded `if constexpr` outside a template still does, and GCC 13 failed on
-// their layouts' constant evaluation there).
+// In a function template, so that the head dims without a gather backward, or without its paired
+// heads, never instantiate those traits (a discarded `if constexpr` outside a template still
+// does, and GCC 13 failed on the paired layouts' constant evaluation there).
 template <typename Element, int kHeadDim>
-int paired_gather_backward_smem_bytes() {
-  if constexpr (gather_backward_pairs_heads_at(kHeadDim)) {
-    return GatherBackwardSmem<BackwardTraits<Element, kHeadDim, 2>>::kBytes;
-  } else {
+int gather_backward_smem(int packed_heads) {
+  if constexpr (kHeadDim > kMaxGatherBackwardHeadDim) {
     return 0;
+  } else if constexpr (gather_backward_pairs_heads_at(kHeadDim)) {
+    return packed_heads == 2 ? GatherBackwardSmem<BackwardTraits<Element, kHeadDim, 2>>::kBytes
+                             : GatherBackwardSmem<BackwardTraits<Element, kHeadDim>>::kBytes;
+  } else {
+    return packed_heads == 1 ? GatherBackwardSmem<BackwardTraits<Element, kHeadDim>>::kBytes : 0;
   }
 }
 
-int gather_backward_paired_smem_bytes(ElementType element, int head_dim) {
+int gather_backward_smem_bytes(ElementType element, int head_dim, int packed_heads) {
   const int bucket = head_dim_bucket(head_dim);
 #define FDMA_SM80_SMEM(dtype, cutlass_type, hdim) \
-  if (element == ElementType::dtype && bucket == hdim) return paired_gather_backward_smem_bytes<cutlass_type, hdim>();
+  if (element == ElementType::dtype && bucket == hdim) return gather_backward_smem<cutlass_type, hdim>(packed_heads);
   FDMA_SM80_KERNELS(FDMA_SM80_SMEM)
 #undef FDMA_SM80_SMEM
   return 0;

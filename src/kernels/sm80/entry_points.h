@@ -21,10 +21,9 @@ int backward_smem_bytes(ElementType element, int head_dim);
 // The same for the forward's and the backward's gather paths (0 when not compiled, or past the
 // backward's head dims). The gather forward keeps a second K/V buffer: 196 KB at head dim 256.
 int gather_forward_smem_bytes(ElementType element, int head_dim);
-int gather_backward_smem_bytes(ElementType element, int head_dim);
-// The gather backward with two query heads per CTA (BackwardParams::pair_heads): 0 at the head
-// dims that keep one head per CTA (tile_size.h gather_backward_pairs_heads_at), or not compiled.
-int gather_backward_paired_smem_bytes(ElementType element, int head_dim);
+// packed_heads 2: with two query heads per CTA (BackwardParams::pair_heads), 0 at the head dims
+// that keep one head per CTA (tile_size.h gather_backward_pairs_heads_at).
+int gather_backward_smem_bytes(ElementType element, int head_dim, int packed_heads = 1);
 
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
 // The main backward kernel only; the host runs the passes around it (grad_passes.h).
