@@ -267,9 +267,16 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "tile")
     tile = run(sparse)
     assert torch.equal(auto[0], gather[0])  # the same kernel over the same lists
-    for a, g, t in zip(auto, gather, tile):
-        torch.testing.assert_close(a, g, atol=1e-2, rtol=1e-2)  # reductions in another order
-        torch.testing.assert_close(a, t, atol=2e-2, rtol=2e-2)
+    # Each path within the project's rule of the float64 reference, not against each other at a
+    # fixed tolerance: dbias sums dZ over every (query, head), and each path's Δ = rowsum(dO∘O)
+    # reads its own rounding of O (the tile and gather dbias differed by up to 0.047 here).
+    masked = dict(case, mask=sparse)
+    ref_out, _, ref = run_reference(masked, dout, is_causal=True)
+    base_out, _, base = run_reference(masked, dout, upcast=False, is_causal=True)
+    for path, results in (("auto", auto), ("gather", gather), ("tile", tile)):
+        assert_within_baseline(f"{path}: out", results[0], ref_out, base_out)
+        for name, grad in zip(("q", "k", "v", "bias"), results[1:]):
+            assert_within_baseline(f"{path}: d{name}", grad, ref[name], base[name])
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
