@@ -135,7 +135,10 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     const int* const keys = list.staged_keys(c);
     const int valid = list.count - c * kBlockN;  // keys of this chunk (kBlockN but in the last)
     // Chunk c's K and V and chunk c + 1's keys have landed and are visible to wgmma; every
-    // warpgroup's GEMMs of chunk c - 1, which read the other buffer, P and dS, have completed.
+    // warpgroup's GEMMs of chunk c - 1, which read the other buffer, P and dS, have completed
+    // (the wait<0> at the end of the loop). Every write of this chunk waits for this barrier:
+    // chunk c + 1's rows into the other buffer, chunk c + 2's keys into chunk c - 1's slot, P,
+    // dS and the dbias partials.
     await_tiles();
     if (c + 1 < chunks) gather_k_v(c + 1);
     if (c + 2 < chunks) list.stage(c + 2, tid, kThreads);
