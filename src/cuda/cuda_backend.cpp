@@ -723,11 +723,12 @@ class CudaSm80Backend final : public BackendImpl {
       ListedWork work;
       e = listed_work(extent, lists, stream, &work);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
-      const bool sm90a = gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a;
+      const int arch = device_info(p.device.index).arch;
+      const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
       prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
       // A preparation without the bias assumes that the calls' bias heads let the heads pair.
       const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-      const bool sm90a_pairs = pairs && sm90a_gather_backward(p, device_info(p.device.index).arch);
+      const bool sm90a_pairs = pairs && sm90a_gather_backward(p, arch);
       prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, pairs, sm90a_pairs));
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose

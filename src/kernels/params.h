@@ -148,7 +148,8 @@ struct BackwardParams {
   float* dq_accum = nullptr;
   int dq_slots = 1;
   // The gather path's CTAs take two query heads of a KV head (the host decides: gather_backward_pairs
-  // in cuda_backend.cpp; sm80/bwd_kernel.h runs it at the head dims gather_backward_pairs_heads_at names).
+  // in cuda_backend.cpp). sm80/bwd_kernel.h runs it at the head dims gather_backward_pairs_heads_at
+  // names; the sm90a gather backward (sm90/bwd_gather_kernel.h) runs only paired heads.
   bool pair_heads = false;
   // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits one key tile
   // of every key_splits (see backward_kernel) and owns dq slot s, whose elements only it reduces
