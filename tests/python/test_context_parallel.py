@@ -7,6 +7,7 @@ dv and its part of dbias with the float64 reference of the whole problem (tolera
 """
 import os
 import tempfile
+import warnings
 
 import pytest
 
@@ -93,8 +94,10 @@ def _worker(rank, world_size, init_file, use_cuda, world_cases):
                     dist.all_reduce(dbias)
                     dbias = dbias.to(bias.dtype)
                 assert_within_baseline(f"{tag} dbias", dbias, rows(ref_grads["bias"], 2), rows(base_grads["bias"], 2))
-        # No rank closes its connections while a peer may still be reading from them: in CI a gloo
-        # rank once aborted ("terminate called without an active exception") at the teardown.
+        # Every check of this rank passed (written before the barrier: past it, a peer's abort in
+        # its teardown may get this rank terminated at any point).
+        open(f"{init_file}.rank{rank}.passed", "w").close()
+        # No rank closes its connections while a peer may still be reading from them.
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -106,8 +109,19 @@ def _run(world_size):
         pytest.skip("needs gloo (or as many GPUs as ranks)")
     cases = [c for c in CASES if c[1] % (2 * world_size) == 0]
     with tempfile.TemporaryDirectory() as directory:
-        torch.multiprocessing.spawn(_worker, args=(world_size, os.path.join(directory, "init"), use_cuda, cases),
-                                    nprocs=world_size, join=True)
+        init_file = os.path.join(directory, "init")
+        try:
+            torch.multiprocessing.spawn(_worker, args=(world_size, init_file, use_cuda, cases),
+                                        nprocs=world_size, join=True)
+        except torch.multiprocessing.ProcessExitedException as error:
+            # In CI a gloo rank has aborted ("terminate called without an active exception") after
+            # the last barrier, in the process group's or the interpreter's teardown (twice, the
+            # second time with the barrier in place). That is gloo's, not the ring's: a rank that
+            # fails a check raises, writes no marker and fails here as before.
+            passed = [os.path.exists(f"{init_file}.rank{r}.passed") for r in range(world_size)]
+            if error.signal_name is None or not all(passed):
+                raise
+            warnings.warn(f"every rank passed; rank {error.error_index} then died by {error.signal_name}")
 
 
 def test_two_ranks_match_the_single_call():
