@@ -43,10 +43,11 @@ std::uint64_t mask_fingerprint(const TensorView& mask, const Problem& p) {
     mix(static_cast<std::uint64_t>(mask.shape[d]));
     mix(static_cast<std::uint64_t>(mask.stride[d]));
   }
-  for (std::int64_t x : {p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim}) {
+  for (std::int64_t x : {p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.total_q, p.total_k}) {
     mix(static_cast<std::uint64_t>(x));
   }
   mix(p.causal);
+  mix(p.packed);
   mix(static_cast<std::uint64_t>(p.device.type));
   mix(static_cast<std::uint64_t>(p.device.index));
   return h == 0 ? 1 : h;
@@ -59,6 +60,7 @@ ForwardArgs forward_view(const BackwardArgs& a) {
   f.q = a.q;
   f.k = a.k;
   f.v = a.v;
+  f.sequences = a.sequences;
   f.mask = a.mask;
   f.indices = a.indices;
   f.bias = a.bias;

@@ -9,9 +9,11 @@
 namespace flash_dmattn {
 
 struct Problem {
-  std::int64_t batch = 0;     // B
-  std::int64_t seqlen_q = 0;  // Sq
-  std::int64_t seqlen_k = 0;  // Sk
+  std::int64_t batch = 0;     // B (packed: the number of sequences)
+  std::int64_t seqlen_q = 0;  // Sq (packed: max_seqlen_q)
+  std::int64_t seqlen_k = 0;  // Sk (packed: max_seqlen_k)
+  bool packed = false;        // packed sequences (ForwardArgs::sequences)
+  std::int64_t total_q = 0, total_k = 0;  // packed: the rows of q and of k
   std::int64_t heads = 0;     // H
   std::int64_t kv_heads = 0;  // Hk, divides H
   std::int64_t head_dim = 0;  // D
@@ -31,7 +33,7 @@ struct Problem {
   bool rows_aligned_16 = false;
 
   std::int64_t group_size() const { return heads / kv_heads; }  // query heads per KV head
-  bool empty() const { return batch == 0 || seqlen_q == 0 || heads == 0; }
+  bool empty() const { return batch == 0 || (packed ? total_q : seqlen_q) == 0 || heads == 0; }
 };
 
 }  // namespace flash_dmattn

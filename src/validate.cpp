@@ -97,8 +97,7 @@ Status check_dtype(const Checker& c, const Named& t, DType expected, const char*
   return Status::success();
 }
 
-Status check_shape(const Checker& c, const Named& t, std::initializer_list<std::int64_t> expected,
-                   const char* layout) {
+Status check_shape(const Checker& c, const Named& t, const std::vector<std::int64_t>& expected, const char* layout) {
   int d = 0;
   for (std::int64_t e : expected) {
     if (t.view->shape[d] != e) {
@@ -222,49 +221,132 @@ bool all_rows_aligned_16(std::initializer_list<const TensorView*> views) {
   return true;
 }
 
-const char* kQLayout = "(B, Sq, H, D)";
-const char* kKLayout = "(B, Sk, Hk, D)";
-const char* kLseLayout = "(B, H, Sq)";
 const char* kMaskLayout = "(B|1, H|Hk|1, Sq|1, Sk|1)";
 const char* kIndicesLayout = "(B|1, H|Hk|1, Sq|1, K)";
 
+// The layouts of q (out, dout, dq), of k (v, dk, dv) and of lse: batched or packed (attention.h).
+struct Layouts {
+  int rows_rank, lse_rank;
+  const char *q, *k, *lse;
+  explicit Layouts(bool packed)
+      : rows_rank(packed ? 3 : 4), lse_rank(packed ? 2 : 3), q(packed ? "(total_q, H, D)" : "(B, Sq, H, D)"),
+        k(packed ? "(total_k, Hk, D)" : "(B, Sk, Hk, D)"), lse(packed ? "(H, total_q)" : "(B, H, Sq)") {}
+};
+
+std::vector<std::int64_t> q_shape(const Problem& p) {
+  if (p.packed) return {p.total_q, p.heads, p.head_dim};
+  return {p.batch, p.seqlen_q, p.heads, p.head_dim};
+}
+std::vector<std::int64_t> k_shape(const Problem& p) {
+  if (p.packed) return {p.total_k, p.kv_heads, p.head_dim};
+  return {p.batch, p.seqlen_k, p.kv_heads, p.head_dim};
+}
+std::vector<std::int64_t> lse_shape(const Problem& p) {
+  if (p.packed) return {p.heads, p.total_q};
+  return {p.batch, p.heads, p.seqlen_q};
+}
+
+// The offsets' structure (their values are read by check_offset_values, on the CPU).
+Status check_offsets(const Checker& c, const PackedSequences& s, Problem* p) {
+  const Named nq{"cu_seqlens_q", &s.cu_seqlens_q}, nk{"cu_seqlens_k", &s.cu_seqlens_k};
+  for (const Named& t : {nq, nk}) {
+    FDMA_CHECK_OK(check_view(c, t, 1, "(B + 1,)"));
+    FDMA_CHECK_OK(check_dtype(c, t, DType::int32, "offsets of the packed sequences"));
+  }
+  if (s.cu_seqlens_q.shape[0] < 1) {
+    return c.fail("cu_seqlens_q", "expected B + 1 >= 1 offsets (0, len_0, len_0 + len_1, ...), got shape ",
+                  s.cu_seqlens_q.shape_string());
+  }
+  FDMA_CHECK_OK(check_shape(c, nk, {s.cu_seqlens_q.shape[0]}, "(the shape of cu_seqlens_q)"));
+  if (s.max_seqlen_q < 0) return c.fail("max_seqlen_q", "expected a length >= 0, got ", s.max_seqlen_q);
+  if (s.max_seqlen_k < 0) return c.fail("max_seqlen_k", "expected a length >= 0, got ", s.max_seqlen_k);
+  p->packed = true;
+  p->batch = s.cu_seqlens_q.shape[0] - 1;
+  p->seqlen_q = s.max_seqlen_q;
+  p->seqlen_k = s.max_seqlen_k;
+  return Status::success();
+}
+
+// Offsets on the CPU, read before any work: rising from 0 to the packed length, no sequence
+// longer than its maximum.
+Status check_offset_values(const Checker& c, const PackedSequences& s, const Problem& p) {
+  if (p.device.type != DeviceType::cpu) return Status::success();  // not readable without waiting
+  struct Offsets {
+    const char* name;
+    const TensorView* view;
+    std::int64_t total, max_length;
+    const char* total_name;
+    const char* max_name;
+  };
+  for (const Offsets& o : {Offsets{"cu_seqlens_q", &s.cu_seqlens_q, p.total_q, p.seqlen_q, "total_q", "max_seqlen_q"},
+                           Offsets{"cu_seqlens_k", &s.cu_seqlens_k, p.total_k, p.seqlen_k, "total_k", "max_seqlen_k"}}) {
+    const auto* values = static_cast<const std::int32_t*>(o.view->data);
+    const std::int64_t stride = o.view->stride[0];
+    if (values[0] != 0) return c.fail(o.name, "expected offsets that start at 0, got ", o.name, "[0] = ", values[0]);
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t length = static_cast<std::int64_t>(values[(b + 1) * stride]) - values[b * stride];
+      if (length < 0 || length > o.max_length) {
+        return c.fail(o.name, "expected sequence lengths in [0, ", o.max_name, "=", o.max_length, "], got ", o.name,
+                      "[", b + 1, "] - ", o.name, "[", b, "] = ", length);
+      }
+    }
+    if (values[p.batch * stride] != o.total) {
+      return c.fail(o.name, "expected offsets that end at ", o.total_name, "=", o.total, " (the packed rows), got ",
+                    o.name, "[", p.batch, "] = ", values[p.batch * stride]);
+    }
+  }
+  return Status::success();
+}
+
 // Checks shared by forward and backward: q, k, v, mask, bias and the options; fills the problem.
 Status check_operands(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-                      const std::optional<TensorView>& mask, const std::optional<TensorView>& indices,
-                      const std::optional<TensorView>& bias, const AttentionOptions& options, Problem* p) {
+                      const std::optional<PackedSequences>& sequences, const std::optional<TensorView>& mask,
+                      const std::optional<TensorView>& indices, const std::optional<TensorView>& bias,
+                      const AttentionOptions& options, Problem* p) {
+  const Layouts layouts(sequences.has_value());
   const Named nq{"q", &q}, nk{"k", &k}, nv{"v", &v};
-  FDMA_CHECK_OK(check_view(c, nq, 4, kQLayout));
-  FDMA_CHECK_OK(check_view(c, nk, 4, kKLayout));
-  FDMA_CHECK_OK(check_view(c, nv, 4, kKLayout));
+  FDMA_CHECK_OK(check_view(c, nq, layouts.rows_rank, layouts.q));
+  FDMA_CHECK_OK(check_view(c, nk, layouts.rows_rank, layouts.k));
+  FDMA_CHECK_OK(check_view(c, nv, layouts.rows_rank, layouts.k));
   if (q.dtype != DType::float16 && q.dtype != DType::bfloat16) {
     return c.fail("q", "expected dtype float16 or bfloat16, got ", dtype_name(q.dtype));
   }
   FDMA_CHECK_OK(check_dtype(c, nk, q.dtype, "the dtype of q"));
   FDMA_CHECK_OK(check_dtype(c, nv, q.dtype, "the dtype of q"));
 
-  p->batch = q.shape[0];
-  p->seqlen_q = q.shape[1];
-  p->heads = q.shape[2];
-  p->head_dim = q.shape[3];
-  p->seqlen_k = k.shape[1];
-  p->kv_heads = k.shape[2];
+  // Batched: (B, S, heads, D); packed: (total, heads, D), B and the lengths from the offsets.
+  const int row_dims = layouts.rows_rank - 3;  // 1 batched, 0 packed: q's dims are (.., rows, heads, D)
+  if (sequences) {
+    FDMA_CHECK_OK(check_offsets(c, *sequences, p));
+    p->total_q = q.shape[0];
+    p->total_k = k.shape[0];
+  } else {
+    p->batch = q.shape[0];
+    p->seqlen_q = q.shape[1];
+    p->seqlen_k = k.shape[1];
+  }
+  p->heads = q.shape[row_dims + 1];
+  p->head_dim = q.shape[row_dims + 2];
+  p->kv_heads = k.shape[row_dims + 1];
   p->dtype = q.dtype;
   p->device = q.device;
 
-  if (p->heads < 1) return c.fail("q", "expected at least one head (dim 2), got shape ", q.shape_string());
+  const int head_dim = row_dims + 1;
+  if (p->heads < 1) return c.fail("q", "expected at least one head (dim ", head_dim, "), got shape ", q.shape_string());
   if (p->head_dim < kHeadDimMultiple || p->head_dim > kMaxHeadDim || p->head_dim % kHeadDimMultiple != 0) {
-    return c.fail("q", "expected head dim (dim 3) a multiple of ", kHeadDimMultiple, " in [", kHeadDimMultiple, ", ",
-                  kMaxHeadDim, "], got ", p->head_dim, " (pad the head dim; the Python front does)");
+    return c.fail("q", "expected head dim (dim ", head_dim + 1, ") a multiple of ", kHeadDimMultiple, " in [",
+                  kHeadDimMultiple, ", ", kMaxHeadDim, "], got ", p->head_dim, " (pad the head dim; the Python front does)");
   }
-  if (k.shape[0] != p->batch || k.shape[3] != p->head_dim) {
-    return c.fail("k", "expected shape (B=", p->batch, ", Sk, Hk, D=", p->head_dim, ") ", kKLayout, ", got ",
-                  k.shape_string());
+  if ((!sequences && k.shape[0] != p->batch) || k.shape[row_dims + 2] != p->head_dim) {
+    return c.fail("k", "expected shape ",
+                  sequences ? concat("(total_k, Hk, D=", p->head_dim, ")") : concat("(B=", p->batch, ", Sk, Hk, D=", p->head_dim, ")"),
+                  " ", layouts.k, ", got ", k.shape_string());
   }
-  if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim 2), got shape ", k.shape_string());
+  if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim ", head_dim, "), got shape ", k.shape_string());
   if (p->heads % p->kv_heads != 0) {
-    return c.fail("k", "expected a head count (dim 2) that divides q's H=", p->heads, ", got Hk=", p->kv_heads);
+    return c.fail("k", "expected a head count (dim ", head_dim, ") that divides q's H=", p->heads, ", got Hk=", p->kv_heads);
   }
-  FDMA_CHECK_OK(check_shape(c, nv, {p->batch, p->seqlen_k, p->kv_heads, p->head_dim}, "(the shape of k)"));
+  FDMA_CHECK_OK(check_shape(c, nv, k_shape(*p), "(the shape of k)"));
 
   if (mask) {
     const Named nm{"mask", &*mask};
@@ -275,6 +357,10 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
   }
   if (indices) {
     const Named ni{"indices", &*indices};
+    if (sequences) {
+      return c.fail("indices", "expected no key indices with packed sequences (not supported yet), got shape ",
+                    indices->shape_string());
+    }
     FDMA_CHECK_OK(check_view(c, ni, 4, kIndicesLayout));
     FDMA_CHECK_OK(check_dtype(c, ni, DType::int32, "key indices, -1 pads"));
     FDMA_CHECK_OK(check_broadcast_operand(c, ni, *p, 3));
@@ -295,51 +381,61 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
   return resolve_options(c, options, p);
 }
 
+void add_offsets(const std::optional<PackedSequences>& sequences, std::vector<Named>* inputs) {
+  if (!sequences) return;
+  inputs->push_back({"cu_seqlens_q", &sequences->cu_seqlens_q});
+  inputs->push_back({"cu_seqlens_k", &sequences->cu_seqlens_k});
+}
+
 }  // namespace
 
 Status validate_forward(const ForwardArgs& a, Problem* p) {
   const Checker c("forward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.indices, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, a.mask, a.indices, a.bias, a.options, p));
+  const Layouts layouts(p->packed);
   const Named out{"out", &a.out}, lse{"lse", &a.lse};
-  FDMA_CHECK_OK(check_view(c, out, 4, kQLayout));
+  FDMA_CHECK_OK(check_view(c, out, layouts.rows_rank, layouts.q));
   FDMA_CHECK_OK(check_dtype(c, out, p->dtype, "the dtype of q"));
-  FDMA_CHECK_OK(check_shape(c, out, {p->batch, p->seqlen_q, p->heads, p->head_dim}, "(the shape of q)"));
-  FDMA_CHECK_OK(check_view(c, lse, 3, kLseLayout));
+  FDMA_CHECK_OK(check_shape(c, out, q_shape(*p), "(the shape of q)"));
+  FDMA_CHECK_OK(check_view(c, lse, layouts.lse_rank, layouts.lse));
   FDMA_CHECK_OK(check_dtype(c, lse, DType::float32, "the log-sum-exp is fp32"));
-  FDMA_CHECK_OK(check_shape(c, lse, {p->batch, p->heads, p->seqlen_q}, kLseLayout));
+  FDMA_CHECK_OK(check_shape(c, lse, lse_shape(*p), layouts.lse));
 
   const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
   const Named indices{"indices", a.indices ? &*a.indices : nullptr};
-  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias};
+  std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias};
+  add_offsets(a.sequences, &inputs);
   const std::vector<Named> outputs = {out, lse};
   p->rows_aligned_16 = all_rows_aligned_16({&a.q, &a.k, &a.v, &a.out});
   std::vector<Named> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   FDMA_CHECK_OK(check_same_device(c, all));
-  return check_no_overlap(c, inputs, outputs);
+  FDMA_CHECK_OK(check_no_overlap(c, inputs, outputs));
+  return a.sequences ? check_offset_values(c, *a.sequences, *p) : Status::success();
 }
 
 Status validate_backward(const BackwardArgs& a, Problem* p) {
   const Checker c("backward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.mask, a.indices, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, a.mask, a.indices, a.bias, a.options, p));
   p->deterministic = a.deterministic;
+  const Layouts layouts(p->packed);
   const Named out{"out", &a.out}, lse{"lse", &a.lse}, dout{"dout", &a.dout};
   const Named dq{"dq", &a.dq}, dk{"dk", &a.dk}, dv{"dv", &a.dv};
   for (const Named& t : {out, dout, dq}) {
-    FDMA_CHECK_OK(check_view(c, t, 4, kQLayout));
+    FDMA_CHECK_OK(check_view(c, t, layouts.rows_rank, layouts.q));
     FDMA_CHECK_OK(check_dtype(c, t, p->dtype, "the dtype of q"));
-    FDMA_CHECK_OK(check_shape(c, t, {p->batch, p->seqlen_q, p->heads, p->head_dim}, "(the shape of q)"));
+    FDMA_CHECK_OK(check_shape(c, t, q_shape(*p), "(the shape of q)"));
   }
   for (const Named& t : {dk, dv}) {
-    FDMA_CHECK_OK(check_view(c, t, 4, kKLayout));
+    FDMA_CHECK_OK(check_view(c, t, layouts.rows_rank, layouts.k));
     FDMA_CHECK_OK(check_dtype(c, t, p->dtype, "the dtype of q"));
-    FDMA_CHECK_OK(check_shape(c, t, {p->batch, p->seqlen_k, p->kv_heads, p->head_dim}, "(the shape of k)"));
+    FDMA_CHECK_OK(check_shape(c, t, k_shape(*p), "(the shape of k)"));
   }
-  FDMA_CHECK_OK(check_view(c, lse, 3, kLseLayout));
+  FDMA_CHECK_OK(check_view(c, lse, layouts.lse_rank, layouts.lse));
   FDMA_CHECK_OK(check_dtype(c, lse, DType::float32, "the log-sum-exp is fp32"));
-  FDMA_CHECK_OK(check_shape(c, lse, {p->batch, p->heads, p->seqlen_q}, kLseLayout));
+  FDMA_CHECK_OK(check_shape(c, lse, lse_shape(*p), layouts.lse));
 
   const Named dbias{"dbias", a.dbias ? &*a.dbias : nullptr};
   if (a.dbias) {
@@ -353,13 +449,15 @@ Status validate_backward(const BackwardArgs& a, Problem* p) {
 
   const Named mask{"mask", a.mask ? &*a.mask : nullptr}, bias{"bias", a.bias ? &*a.bias : nullptr};
   const Named indices{"indices", a.indices ? &*a.indices : nullptr};
-  const std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias, out, lse, dout};
+  std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias, out, lse, dout};
+  add_offsets(a.sequences, &inputs);
   const std::vector<Named> outputs = {dq, dk, dv, dbias};
   p->rows_aligned_16 = all_rows_aligned_16({&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv});
   std::vector<Named> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   FDMA_CHECK_OK(check_same_device(c, all));
-  return check_no_overlap(c, inputs, outputs);
+  FDMA_CHECK_OK(check_no_overlap(c, inputs, outputs));
+  return a.sequences ? check_offset_values(c, *a.sequences, *p) : Status::success();
 }
 
 }  // namespace flash_dmattn

@@ -9,6 +9,14 @@
 //   bias (optional), dbias  (B|1, H|Hk|1, Sq|1, Sk|1)  q's dtype or fp32; dbias has bias's shape and dtype
 //   indices (optional)      (B|1, H|Hk|1, Sq|1, K)   int32: each row's keys, -1 pads (docs/semantics.md §2);
 //                                                    with a mask, a key must be kept by both
+// Packed sequences (ForwardArgs::sequences; docs/semantics.md §11): B sequences back to back, each
+// its own attention problem, with positions counted from its start:
+//   q, out, dout, dq        (total_q, H, D)
+//   k, v, dk, dv            (total_k, Hk, D)
+//   lse                     (H, total_q)
+//   mask, bias, dbias       (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1); positions at or past a
+//                           sequence's lengths are not read, and their dbias is 0
+//   indices                 not taken with packed sequences
 // Every view may have any non-negative int64 strides as long as its last dimension is contiguous
 // (stride 1, or size 1). A size-1 mask or bias dimension is read through a zero stride, never expanded.
 //
@@ -77,8 +85,19 @@ struct PreparedMask {
   bool lists() const { return gather_forward || gather_backward; }
 };
 
+// The offsets of packed sequences: sequence b holds query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+// and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Both are (B + 1,) int32 on the tensors'
+// device, rising from 0 to total_q and total_k. On the CPU their values are checked before any
+// work (invalid_argument naming the offsets); CUDA backends cannot read them without waiting for
+// the device, and run no packed call yet (the torch front pads packed batches for them).
+struct PackedSequences {
+  TensorView cu_seqlens_q, cu_seqlens_k;
+  std::int64_t max_seqlen_q = 0, max_seqlen_k = 0;  // at least every sequence's length; size mask and bias
+};
+
 struct ForwardArgs {
   TensorView q, k, v;
+  std::optional<PackedSequences> sequences;  // given: the packed layouts above
   std::optional<TensorView> mask;
   std::optional<TensorView> indices;  // key lists per row; CUDA: without a mask, gather path only (semantics.md §2)
   std::optional<TensorView> bias;
@@ -91,6 +110,7 @@ struct ForwardArgs {
 
 struct BackwardArgs {
   TensorView q, k, v;
+  std::optional<PackedSequences> sequences;
   std::optional<TensorView> mask;
   std::optional<TensorView> indices;
   std::optional<TensorView> bias;

@@ -26,6 +26,8 @@ reference::Inputs reference_inputs(const Args& a, const Problem& p) {
   return in;
 }
 
+reference::Sequences sequences(const PackedSequences& s) { return {&s.cu_seqlens_q, &s.cu_seqlens_k}; }
+
 // Key lists hold keys in [0, Sk) or -1: the values are read here, where reading them is free (the
 // validation before the backends reads shapes alone).
 Status check_indices(const char* call, const std::optional<TensorView>& indices, const Problem& p) {
@@ -85,7 +87,8 @@ class CpuReferenceBackend final : public BackendImpl {
   Status forward(const ForwardArgs& a, const Problem& p) const override {
     const Status lists = check_indices("forward", a.indices, p);
     if (!lists.ok() || p.empty()) return lists;
-    const reference::ForwardResult r = reference::forward(reference_inputs(a, p));
+    const reference::ForwardResult r = a.sequences ? reference::forward(reference_inputs(a, p), sequences(*a.sequences))
+                                                   : reference::forward(reference_inputs(a, p));
     store_all(a.out, r.out);
     store_all(a.lse, r.lse);
     return Status::success();
@@ -94,8 +97,10 @@ class CpuReferenceBackend final : public BackendImpl {
   Status backward(const BackwardArgs& a, const Problem& p) const override {
     const Status lists = check_indices("backward", a.indices, p);
     if (!lists.ok()) return lists;
-    const reference::Gradients g =
-        reference::backward(reference_inputs(a, p), a.dout, reference::GivenRows{&a.out, &a.lse});
+    const reference::GivenRows given{&a.out, &a.lse};
+    const reference::Gradients g = a.sequences
+                                       ? reference::backward(reference_inputs(a, p), sequences(*a.sequences), a.dout, given)
+                                       : reference::backward(reference_inputs(a, p), a.dout, given);
     store_all(a.dq, g.dq);
     store_all(a.dk, g.dk);
     store_all(a.dv, g.dv);

@@ -52,4 +52,19 @@ ForwardResult forward(const Inputs& inputs);
 // the same quantity in fp64; a NaN lse (a backward run without its forward) is no statistic.
 Gradients backward(const Inputs& inputs, const TensorView& dout, const GivenRows& given = {});
 
+// Packed sequences (docs/semantics.md §11), each its own problem of the calls above: q (total_q,
+// H, D), k and v (total_k, Hk, D); mask, bias and indices as Inputs' with max_seqlen_q and
+// max_seqlen_k for Sq and Sk, positions counted from each sequence's start. Offsets are host int32
+// (B + 1,) views, already checked. Results are packed: out (total_q, H, D), lse (H, total_q),
+// dq, dk and dv as q and k, dbias the bias's shape (0 where no sequence reads an element).
+struct Sequences {
+  const TensorView* cu_seqlens_q = nullptr;
+  const TensorView* cu_seqlens_k = nullptr;
+};
+
+ForwardResult forward(const Inputs& inputs, const Sequences& sequences);
+// given: out (total_q, H, D) and lse (H, total_q) as the packed forward returns them.
+Gradients backward(const Inputs& inputs, const Sequences& sequences, const TensorView& dout,
+                   const GivenRows& given = {});
+
 }  // namespace flash_dmattn::reference
