@@ -43,11 +43,13 @@ std::uint64_t mask_fingerprint(const TensorView& mask, const Problem& p) {
     mix(static_cast<std::uint64_t>(mask.shape[d]));
     mix(static_cast<std::uint64_t>(mask.stride[d]));
   }
-  for (std::int64_t x : {p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.total_q, p.total_k}) {
+  for (std::int64_t x : {p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.total_q, p.total_k,
+                         p.page_size, p.num_pages}) {
     mix(static_cast<std::uint64_t>(x));
   }
   mix(p.causal);
   mix(p.packed);
+  mix(p.cached);
   mix(static_cast<std::uint64_t>(p.device.type));
   mix(static_cast<std::uint64_t>(p.device.index));
   return h == 0 ? 1 : h;

@@ -14,6 +14,8 @@ struct Problem {
   std::int64_t seqlen_k = 0;  // Sk (packed: max_seqlen_k)
   bool packed = false;        // packed sequences (ForwardArgs::sequences)
   std::int64_t total_q = 0, total_k = 0;  // packed: the rows of q and of k
+  bool cached = false;        // a KV cache (ForwardArgs::cache): seqlen_k is its logical K
+  std::int64_t page_size = 0, num_pages = 0;  // a paged cache's; 0 for a contiguous one
   std::int64_t heads = 0;     // H
   std::int64_t kv_heads = 0;  // Hk, divides H
   std::int64_t head_dim = 0;  // D

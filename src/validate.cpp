@@ -239,6 +239,7 @@ std::vector<std::int64_t> q_shape(const Problem& p) {
 }
 std::vector<std::int64_t> k_shape(const Problem& p) {
   if (p.packed) return {p.total_k, p.kv_heads, p.head_dim};
+  if (p.page_size > 0) return {p.num_pages, p.page_size, p.kv_heads, p.head_dim};
   return {p.batch, p.seqlen_k, p.kv_heads, p.head_dim};
 }
 std::vector<std::int64_t> lse_shape(const Problem& p) {
@@ -298,11 +299,62 @@ Status check_offset_values(const Checker& c, const PackedSequences& s, const Pro
   return Status::success();
 }
 
+// A KV cache's structure (its values are read by check_cache_values, on the CPU). k: the cache.
+Status check_cache(const Checker& c, const KeyValueCache& cache, const TensorView& k, Problem* p) {
+  const Named ns{"seqlens_k", &cache.seqlens_k};
+  FDMA_CHECK_OK(check_view(c, ns, 1, "(B,)"));
+  FDMA_CHECK_OK(check_dtype(c, ns, DType::int32, "the cached keys of each sequence"));
+  FDMA_CHECK_OK(check_shape(c, ns, {p->batch}, "(B,)"));
+  p->cached = true;
+  if (!cache.block_table) return Status::success();
+  const TensorView& table = *cache.block_table;
+  const Named nt{"block_table", &table};
+  FDMA_CHECK_OK(check_view(c, nt, 2, "(B, max_pages)"));
+  FDMA_CHECK_OK(check_dtype(c, nt, DType::int32, "page indices"));
+  if (table.shape[0] != p->batch) {
+    return c.fail("block_table", "expected shape (B=", p->batch, ", max_pages), got ", table.shape_string());
+  }
+  p->num_pages = k.shape[0];
+  p->page_size = k.shape[1];
+  if (p->page_size < 1) {
+    return c.fail("k", "expected pages of at least one key (dim 1) with a block table, got shape ", k.shape_string());
+  }
+  if (multiply_overflows(table.shape[1], p->page_size, &p->seqlen_k)) {
+    return c.fail("block_table", "expected max_pages x page_size keys that fit in int64, got ", table.shape[1], " x ",
+                  p->page_size);
+  }
+  return Status::success();
+}
+
+// A KV cache's lengths and the pages they read, on the CPU, before any work.
+Status check_cache_values(const Checker& c, const KeyValueCache& cache, const Problem& p) {
+  if (p.device.type != DeviceType::cpu) return Status::success();  // not readable without waiting
+  const TensorView& lengths = cache.seqlens_k;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t length = static_cast<const std::int32_t*>(lengths.data)[b * lengths.stride[0]];
+    if (length < 0 || length > p.seqlen_k) {
+      return c.fail("seqlens_k", "expected lengths in [0, K=", p.seqlen_k, "] (the cache's logical keys), got ",
+                    length, " for sequence ", b);
+    }
+    if (!cache.block_table) continue;
+    const TensorView& table = *cache.block_table;
+    for (std::int64_t page = 0; page * p.page_size < length; ++page) {
+      const std::int64_t index = static_cast<const std::int32_t*>(table.data)[b * table.stride[0] + page * table.stride[1]];
+      if (index < 0 || index >= p.num_pages) {
+        return c.fail("block_table", "expected page indices in [0, num_pages=", p.num_pages,
+                      ") where a sequence reads them, got ", index, " at (", b, ", ", page, ")");
+      }
+    }
+  }
+  return Status::success();
+}
+
 // Checks shared by forward and backward: q, k, v, mask, bias and the options; fills the problem.
 Status check_operands(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-                      const std::optional<PackedSequences>& sequences, const std::optional<TensorView>& mask,
-                      const std::optional<TensorView>& indices, const std::optional<TensorView>& bias,
-                      const AttentionOptions& options, Problem* p) {
+                      const std::optional<PackedSequences>& sequences, const KeyValueCache* cache,
+                      const std::optional<TensorView>& mask, const std::optional<TensorView>& indices,
+                      const std::optional<TensorView>& bias, const AttentionOptions& options, Problem* p) {
+  if (sequences && cache) return c.fail("cache", "expected no KV cache with packed sequences, got both");
   const Layouts layouts(sequences.has_value());
   const Named nq{"q", &q}, nk{"k", &k}, nv{"v", &v};
   FDMA_CHECK_OK(check_view(c, nq, layouts.rows_rank, layouts.q));
@@ -337,10 +389,13 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
     return c.fail("q", "expected head dim (dim ", head_dim + 1, ") a multiple of ", kHeadDimMultiple, " in [",
                   kHeadDimMultiple, ", ", kMaxHeadDim, "], got ", p->head_dim, " (pad the head dim; the Python front does)");
   }
-  if ((!sequences && k.shape[0] != p->batch) || k.shape[row_dims + 2] != p->head_dim) {
-    return c.fail("k", "expected shape ",
-                  sequences ? concat("(total_k, Hk, D=", p->head_dim, ")") : concat("(B=", p->batch, ", Sk, Hk, D=", p->head_dim, ")"),
-                  " ", layouts.k, ", got ", k.shape_string());
+  if (cache) FDMA_CHECK_OK(check_cache(c, *cache, k, p));
+  const bool paged = p->page_size > 0;
+  if ((!sequences && !paged && k.shape[0] != p->batch) || k.shape[row_dims + 2] != p->head_dim) {
+    const std::string expected = sequences ? concat("(total_k, Hk, D=", p->head_dim, ") ", layouts.k)
+                                 : paged   ? concat("(num_pages, page_size, Hk, D=", p->head_dim, ") (a paged cache)")
+                                           : concat("(B=", p->batch, ", Sk, Hk, D=", p->head_dim, ") ", layouts.k);
+    return c.fail("k", "expected shape ", expected, ", got ", k.shape_string());
   }
   if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim ", head_dim, "), got shape ", k.shape_string());
   if (p->heads % p->kv_heads != 0) {
@@ -392,7 +447,8 @@ void add_offsets(const std::optional<PackedSequences>& sequences, std::vector<Na
 Status validate_forward(const ForwardArgs& a, Problem* p) {
   const Checker c("forward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, a.mask, a.indices, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, a.cache ? &*a.cache : nullptr, a.mask, a.indices,
+                               a.bias, a.options, p));
   const Layouts layouts(p->packed);
   const Named out{"out", &a.out}, lse{"lse", &a.lse};
   FDMA_CHECK_OK(check_view(c, out, layouts.rows_rank, layouts.q));
@@ -406,19 +462,24 @@ Status validate_forward(const ForwardArgs& a, Problem* p) {
   const Named indices{"indices", a.indices ? &*a.indices : nullptr};
   std::vector<Named> inputs = {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, mask, indices, bias};
   add_offsets(a.sequences, &inputs);
+  if (a.cache) {
+    inputs.push_back({"seqlens_k", &a.cache->seqlens_k});
+    if (a.cache->block_table) inputs.push_back({"block_table", &*a.cache->block_table});
+  }
   const std::vector<Named> outputs = {out, lse};
   p->rows_aligned_16 = all_rows_aligned_16({&a.q, &a.k, &a.v, &a.out});
   std::vector<Named> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   FDMA_CHECK_OK(check_same_device(c, all));
   FDMA_CHECK_OK(check_no_overlap(c, inputs, outputs));
+  if (a.cache) return check_cache_values(c, *a.cache, *p);
   return a.sequences ? check_offset_values(c, *a.sequences, *p) : Status::success();
 }
 
 Status validate_backward(const BackwardArgs& a, Problem* p) {
   const Checker c("backward");
   *p = Problem{};
-  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, a.mask, a.indices, a.bias, a.options, p));
+  FDMA_CHECK_OK(check_operands(c, a.q, a.k, a.v, a.sequences, nullptr, a.mask, a.indices, a.bias, a.options, p));
   p->deterministic = a.deterministic;
   const Layouts layouts(p->packed);
   const Named out{"out", &a.out}, lse{"lse", &a.lse}, dout{"dout", &a.dout};

@@ -17,6 +17,13 @@
 //   mask, bias, dbias       (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1); positions at or past a
 //                           sequence's lengths are not read, and their dbias is 0
 //   indices                 not taken with packed sequences
+// A KV cache (ForwardArgs::cache; docs/semantics.md §12, forwards only): q, out (B, Sq, H, D) are
+// every sequence's newest Sq tokens, lse (B, H, Sq), and sequence b sees its cached keys, the
+// logical positions [0, seqlens_k[b]) of K, bottom-right aligned under causal masking:
+//   k, v                    (num_pages, page_size, Hk, D) with a block table, K = max_pages·page_size,
+//                           or (B, K, Hk, D) without one
+//   mask, bias, indices     as above, over the K logical positions; those at or past a sequence's
+//                           length are not read
 // Every view may have any non-negative int64 strides as long as its last dimension is contiguous
 // (stride 1, or size 1). A size-1 mask or bias dimension is read through a zero stride, never expanded.
 //
@@ -95,9 +102,19 @@ struct PackedSequences {
   std::int64_t max_seqlen_q = 0, max_seqlen_k = 0;  // at least every sequence's length; size mask and bias
 };
 
+// A KV cache's lengths and pages. Logical key p·page_size + t of sequence b is row t of page
+// block_table[b, p]; entries past a sequence's last page are not read. Both int32 on the tensors'
+// device; on the CPU their values are checked before any work, and CUDA backends run no cached
+// call yet (the torch front gathers the pages for them).
+struct KeyValueCache {
+  TensorView seqlens_k;                   // (B,): sequence b's cached keys, in [0, K]
+  std::optional<TensorView> block_table;  // (B, max_pages): k and v are pages; without it (B, K, Hk, D)
+};
+
 struct ForwardArgs {
   TensorView q, k, v;
   std::optional<PackedSequences> sequences;  // given: the packed layouts above
+  std::optional<KeyValueCache> cache;        // given: k and v are a KV cache (above)
   std::optional<TensorView> mask;
   std::optional<TensorView> indices;  // key lists per row; CUDA: without a mask, gather path only (semantics.md §2)
   std::optional<TensorView> bias;

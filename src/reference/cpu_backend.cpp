@@ -27,6 +27,7 @@ reference::Inputs reference_inputs(const Args& a, const Problem& p) {
 }
 
 reference::Sequences sequences(const PackedSequences& s) { return {&s.cu_seqlens_q, &s.cu_seqlens_k}; }
+reference::Cache cache(const KeyValueCache& c) { return {&c.seqlens_k, c.block_table ? &*c.block_table : nullptr}; }
 
 // Key lists hold keys in [0, Sk) or -1: the values are read here, where reading them is free (the
 // validation before the backends reads shapes alone).
@@ -87,8 +88,10 @@ class CpuReferenceBackend final : public BackendImpl {
   Status forward(const ForwardArgs& a, const Problem& p) const override {
     const Status lists = check_indices("forward", a.indices, p);
     if (!lists.ok() || p.empty()) return lists;
-    const reference::ForwardResult r = a.sequences ? reference::forward(reference_inputs(a, p), sequences(*a.sequences))
-                                                   : reference::forward(reference_inputs(a, p));
+    const reference::Inputs inputs = reference_inputs(a, p);
+    const reference::ForwardResult r = a.sequences ? reference::forward(inputs, sequences(*a.sequences))
+                                       : a.cache   ? reference::forward(inputs, cache(*a.cache))
+                                                   : reference::forward(inputs);
     store_all(a.out, r.out);
     store_all(a.lse, r.lse);
     return Status::success();

@@ -7,40 +7,10 @@
 #include <vector>
 
 #include "reference.h"
+#include "views.h"
 
 namespace flash_dmattn::reference {
 namespace {
-
-std::int64_t offset_at(const TensorView& offsets, std::int64_t b) {
-  return static_cast<const std::int32_t*>(offsets.data)[b * offsets.stride[0]];
-}
-
-// Rows [first, first + length) of a packed (total, heads, D) view, as a batch of one.
-TensorView batch_of_one(const TensorView& packed, std::int64_t first, std::int64_t length) {
-  TensorView v = packed;
-  v.rank = 4;
-  v.data = static_cast<char*>(packed.data) + first * packed.stride[0] * static_cast<std::int64_t>(dtype_size(packed.dtype));
-  const std::int64_t shape[4] = {1, length, packed.shape[1], packed.shape[2]};
-  const std::int64_t stride[4] = {0, packed.stride[0], packed.stride[1], packed.stride[2]};
-  for (int d = 0; d < 4; ++d) {
-    v.shape[d] = shape[d];
-    v.stride[d] = stride[d];
-  }
-  return v;
-}
-
-// Sequence b's part of a (B|1, heads, max_q|1, max_k|1) mask or bias: its batch, its first
-// length_q rows and length_k keys (a broadcast dimension stays one).
-TensorView sequence_operand(const TensorView& t, std::int64_t b, std::int64_t length_q, std::int64_t length_k) {
-  TensorView v = t;
-  if (t.shape[0] != 1) {
-    v.data = static_cast<char*>(t.data) + b * t.stride[0] * static_cast<std::int64_t>(dtype_size(t.dtype));
-    v.shape[0] = 1;
-  }
-  if (t.shape[2] != 1) v.shape[2] = length_q;
-  if (t.shape[3] != 1) v.shape[3] = length_k;
-  return v;
-}
 
 // One sequence's problem: its rows, lengths and operand views (which `inputs` points at).
 struct Sequence {
@@ -49,10 +19,10 @@ struct Sequence {
   Inputs inputs;
 
   Sequence(const Inputs& packed, const Sequences& s, std::int64_t b)
-      : first_q(offset_at(*s.cu_seqlens_q, b)),
-        first_k(offset_at(*s.cu_seqlens_k, b)),
-        length_q(offset_at(*s.cu_seqlens_q, b + 1) - first_q),
-        length_k(offset_at(*s.cu_seqlens_k, b + 1) - first_k),
+      : first_q(int_at(*s.cu_seqlens_q, b)),
+        first_k(int_at(*s.cu_seqlens_k, b)),
+        length_q(int_at(*s.cu_seqlens_q, b + 1) - first_q),
+        length_k(int_at(*s.cu_seqlens_k, b + 1) - first_k),
         inputs(packed) {
     inputs.q = batch_of_one(packed.q, first_q, length_q);
     inputs.k = batch_of_one(packed.k, first_k, length_k);
@@ -120,7 +90,7 @@ Gradients backward(const Inputs& in, const Sequences& s, const TensorView& dout,
       const TensorView& packed = *given.lse;
       lse = packed;
       lse.rank = 3;
-      lse.data = static_cast<char*>(packed.data) + seq.first_q * packed.stride[1] * static_cast<std::int64_t>(dtype_size(packed.dtype));
+      lse.data = element_address(packed, seq.first_q * packed.stride[1]);
       const std::int64_t shape[3] = {1, packed.shape[0], seq.length_q}, stride[3] = {0, packed.stride[0], packed.stride[1]};
       for (int d = 0; d < 3; ++d) {
         lse.shape[d] = shape[d];

@@ -67,4 +67,15 @@ ForwardResult forward(const Inputs& inputs, const Sequences& sequences);
 Gradients backward(const Inputs& inputs, const Sequences& sequences, const TensorView& dout,
                    const GivenRows& given = {});
 
+// A KV cache (docs/semantics.md §12), forwards only: q (B, Sq, H, D); k and v the cache, pages
+// (num_pages, page_size, Hk, D) with a block table or (B, K, Hk, D) without; mask, bias and indices
+// over the K logical keys. Each sequence is the forward above on its keys [0, seqlens_k[b]).
+// Lengths and pages are host int32 views, already checked. Results as the batched forward's.
+struct Cache {
+  const TensorView* seqlens_k = nullptr;    // (B,)
+  const TensorView* block_table = nullptr;  // (B, max_pages), nullptr for a contiguous cache
+};
+
+ForwardResult forward(const Inputs& inputs, const Cache& cache);
+
 }  // namespace flash_dmattn::reference

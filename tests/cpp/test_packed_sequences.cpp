@@ -77,25 +77,6 @@ HostTensor rows_of(const HostTensor& packed, std::int64_t first, std::int64_t le
   return t;
 }
 
-// Sequence b's part of a (B|1, heads, Mq|1, Mk|1) operand, copied into (1, heads, Lq|1, Lk|1).
-HostTensor operand_of(const HostTensor& full, std::int64_t b, std::int64_t lq, std::int64_t lk) {
-  const TensorView& f = full.view;
-  HostTensor t = HostTensor::empty(f.dtype, {1, f.shape[1], f.shape[2] == 1 ? 1 : lq, f.shape[3] == 1 ? 1 : lk});
-  const std::int64_t batch = f.shape[0] == 1 ? 0 : b;
-  for (std::int64_t h = 0; h < t.view.shape[1]; ++h)
-    for (std::int64_t i = 0; i < t.view.shape[2]; ++i)
-      for (std::int64_t j = 0; j < t.view.shape[3]; ++j)
-        t.set(host::offset4(t.view, 0, h, i, j), full.get(host::offset4(f, batch, h, i, j)));
-  return t;
-}
-
-void poison(HostTensor& t) {
-  for (size_t b = 0; b + 1 < t.bytes.size(); b += 2) {  // NaN in fp16, bf16 and fp32
-    t.bytes[b] = 0xff;
-    t.bytes[b + 1] = 0x7f;
-  }
-}
-
 // The tensors of a call, in BackwardArgs' order.
 struct CallTensors {
   const HostTensor *q, *k, *v, *mask, *bias, *out, *lse, *dout, *dq, *dk, *dv, *dbias;
@@ -235,13 +216,6 @@ struct PackedCall {
     return f;
   }
 };
-
-void expect_refused(const ForwardArgs& a, const std::string& fragment) {
-  const Status s = forward(a);
-  ASSERT_FALSE(s.ok()) << "expected an error containing: " << fragment;
-  EXPECT_EQ(s.code(), StatusCode::invalid_argument);
-  EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
-}
 
 TEST(PackedSequencesChecks, OffsetsAndLayoutsAreNamed) {
   PackedCall call;

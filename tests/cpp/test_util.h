@@ -112,6 +112,36 @@ struct HostTensor {
   }
 };
 
+// Fills with 0x7fff.. bytes: NaN in fp16, bf16 and fp32, so that an element a call does not write
+// is seen.
+inline void poison(HostTensor& t) {
+  for (size_t b = 0; b + 1 < t.bytes.size(); b += 2) {
+    t.bytes[b] = 0xff;
+    t.bytes[b + 1] = 0x7f;
+  }
+}
+
+// Batch b's part of a (B|1, heads, Sq|1, Sk|1) operand, copied into (1, heads, rows|1, keys|1): the
+// operand of sequence b run alone (packed sequences, KV caches).
+inline HostTensor operand_of(const HostTensor& full, std::int64_t b, std::int64_t rows, std::int64_t keys) {
+  const TensorView& f = full.view;
+  HostTensor t = HostTensor::empty(f.dtype, {1, f.shape[1], f.shape[2] == 1 ? 1 : rows, f.shape[3] == 1 ? 1 : keys});
+  const std::int64_t batch = f.shape[0] == 1 ? 0 : b;
+  for (std::int64_t h = 0; h < t.view.shape[1]; ++h)
+    for (std::int64_t i = 0; i < t.view.shape[2]; ++i)
+      for (std::int64_t j = 0; j < t.view.shape[3]; ++j)
+        t.set(host::offset4(t.view, 0, h, i, j), full.get(host::offset4(f, batch, h, i, j)));
+  return t;
+}
+
+// A forward the library refuses before any work, with a message that holds `fragment`.
+inline void expect_refused(const ForwardArgs& a, const std::string& fragment) {
+  const Status s = forward(a);
+  ASSERT_FALSE(s.ok()) << "expected an error containing: " << fragment;
+  EXPECT_EQ(s.code(), StatusCode::invalid_argument);
+  EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
+}
+
 inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   double m = 0.0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
