@@ -40,7 +40,8 @@ class BackendImpl {
   // Builds it into prepared->memory (of at least the reported size) and sets prepared's gather flags.
   virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/,
                               PreparedMask* prepared) const {
-    prepared->gather_forward = prepared->gather_backward = prepared->sm90a_forward_lists = false;
+    prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = false;
+    prepared->sm90a_forward_lists = false;
     return Status::success();
   }
   // Both run on validated arguments with a workspace of at least the reported size.

@@ -83,13 +83,17 @@ struct PreparedMask {
   Workspace memory;              // prepared_mask_size() bytes on the mask's device, kWorkspaceAlignment-aligned
   std::uint64_t fingerprint = 0;  // of the call it was prepared for (set by prepare_mask)
   // Whether its forwards, and its backwards, take the gather path over the key lists it holds
-  // (set by prepare_mask; a backward where the gather backward runs, else the tile path).
-  bool gather_forward = false, gather_backward = false;
+  // (set by prepare_mask; a backward where the gather backward runs, else the tile path). The
+  // gather backward pays up to a larger share of the work where it takes two query heads per CTA,
+  // which a call's bias can prevent (one with a head per query head): gather_backward is the
+  // choice for calls whose heads pair as far as the preparation can see (its mask's heads and, if
+  // given, its bias's), gather_backward_unpaired for calls whose heads do not.
+  bool gather_forward = false, gather_backward = false, gather_backward_unpaired = false;
   // Whether it also holds the forward's key lists for the sm90a gather kernel, whose tiles differ
   // from those of the lists the backward reads (set by prepare_mask).
   bool sm90a_forward_lists = false;
 
-  bool lists() const { return gather_forward || gather_backward; }
+  bool lists() const { return gather_forward || gather_backward || gather_backward_unpaired; }
 };
 
 // The offsets of packed sequences: sequence b holds query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])

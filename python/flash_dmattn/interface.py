@@ -337,8 +337,15 @@ class PreparedMask:
     @property
     def backward_path(self) -> str:
         """The same for its backwards, whose gather path pays up to more keys at some head dims
-        (past head dim 128 and in deterministic mode the backward runs the tile path regardless)."""
+        (past head dim 128 and in deterministic mode the backward runs the tile path regardless).
+        Where its kernel takes two query heads per CTA, it pays up to more keys still, and a bias
+        with a head per query head keeps the heads apart: such calls follow `backward_path_unpaired`."""
         return "gather" if self._prepared[2] & 2 else "tile"
+
+    @property
+    def backward_path_unpaired(self) -> str:
+        """The way of its backwards whose bias has a head per query head (or whose mask does)."""
+        return "gather" if self._prepared[2] & 8 else "tile"
 
     @property
     def nbytes(self) -> int:

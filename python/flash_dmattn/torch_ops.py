@@ -94,7 +94,8 @@ def _unpadded(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 def _prepared(storage: Optional[torch.Tensor], fingerprint: int, paths: int):
     """The module's PreparedMask over storage (None: no preparation). The op schemas carry the
     fingerprint as a signed 64-bit int, and the passes that take the gather path as `paths` (bit 0
-    the forward, bit 1 the backward; bit 2: the storage also holds the sm90a forward's lists)."""
+    the forward, bit 1 the backward, bit 3 a backward whose query heads cannot pair; bit 2: the
+    storage also holds the sm90a forward's lists)."""
     if storage is None:
         return None
     return _C.PreparedMask(storage.data_ptr(), storage.numel(), fingerprint % 2**64, paths)

@@ -441,15 +441,6 @@ struct BackwardPlan {
   std::size_t workspace_bytes() const { return lists_offset() + align_up(lists_bytes); }
 };
 
-// Whether a backward takes the gather path: where gather_applies holds for its pass, but not in
-// deterministic mode (its dK, dV and dBias reductions arrive in any order), past
-// head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
-bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!a.indices && !gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward)) return false;
-  if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
-  return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
-}
-
 // Whether the gather backward takes two query heads of a KV head per CTA (BackwardParams::
 // pair_heads): at the head dims that gain from it, in even GQA groups whose heads pairwise read
 // one list (list_heads: the mask's or the indices' heads) and one bias head (bias_heads, 0: no
@@ -459,6 +450,19 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
   return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) && p.group_size() % 2 == 0 &&
          pairs_share(list_heads) && (bias_heads == 0 || pairs_share(bias_heads)) &&
          smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim), 2), p);
+}
+
+// Whether a backward takes the gather path: where gather_applies holds for its pass, but not in
+// deterministic mode (its dK, dV and dBias reductions arrive in any order), past
+// head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
+bool gather_backward(const BackwardArgs& a, const Problem& p) {
+  if (!a.indices) {
+    // Under auto, the prepared mask's choice for the kernel this call would run.
+    const bool pairs = a.mask && gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    if (!gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward, pairs)) return false;
+  }
+  if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
 // Whether paired heads' gather backward runs on the sm90a kernel (wgmma, on the sm80 backward's
@@ -696,7 +700,7 @@ class CudaSm80Backend final : public BackendImpl {
   }
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
-    prepared->gather_forward = prepared->gather_backward = lists_room(a, p);
+    prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = lists_room(a, p);
     prepared->sm90a_forward_lists = sm90a_lists_room(a, p);  // implies lists_room, so lists()
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH and
@@ -728,10 +732,13 @@ class CudaSm80Backend final : public BackendImpl {
       const int arch = device_info(p.device.index).arch;
       const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
       prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
-      // A preparation without the bias assumes that the calls' bias heads let the heads pair.
+      // Both backward choices: the calls' bias decides whether their heads pair (gather_backward).
       const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-      const bool sm90a_pairs = pairs && sm90a_gather_backward(p, arch);
-      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, pairs, sm90a_pairs));
+      const GatherBackwardKernel paired = !pairs                            ? GatherBackwardKernel::sm80
+                                          : sm90a_gather_backward(p, arch) ? GatherBackwardKernel::sm90a_paired
+                                                                           : GatherBackwardKernel::sm80_paired;
+      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, paired));
+      prepared->gather_backward_unpaired = gather_pays(work, gather_backward_share(p.head_dim, GatherBackwardKernel::sm80));
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
     // forwards keep the tile path leaves their room unused.

@@ -22,13 +22,15 @@ bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_
 }
 
 bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,
-                    BackendImpl::Pass pass) {
+                    BackendImpl::Pass pass, bool heads_pair) {
   switch (sparse_path()) {
     case SparsePath::gather: return gather_possible(mask, seqlen_q);
     case SparsePath::tile: return false;
-    case SparsePath::automatic:
-      return gather_possible(mask, seqlen_q) && prepared &&
-             (pass == BackendImpl::Pass::forward ? prepared->gather_forward : prepared->gather_backward);
+    case SparsePath::automatic: {
+      if (!gather_possible(mask, seqlen_q) || !prepared) return false;
+      if (pass == BackendImpl::Pass::forward) return prepared->gather_forward;
+      return heads_pair ? prepared->gather_backward : prepared->gather_backward_unpaired;
+    }
   }
   return false;
 }

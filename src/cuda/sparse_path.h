@@ -32,9 +32,11 @@ SparsePath sparse_path(std::string* error = nullptr);
 bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_q);
 
 // Whether a pass of a call takes the gather path: FLASH_DMATTN_SPARSE_PATH=gather forces it
-// where it is possible, tile forbids it, and auto follows the prepared mask's choice.
+// where it is possible, tile forbids it, and auto follows the prepared mask's choice, for a
+// backward the one for its kernel: heads_pair, whether its gather backward would take two query
+// heads per CTA (PreparedMask::gather_backward, else gather_backward_unpaired).
 bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,
-                    BackendImpl::Pass pass);
+                    BackendImpl::Pass pass, bool heads_pair = false);
 
 // The share of the tile path's work (the blocks of block_n keys that hold a listed key, which
 // the tile path visits for the list's rows) up to which the key lists' keys (their union, in
@@ -70,18 +72,24 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 // sm80 threshold.
 inline constexpr double kGatherForwardShare = 0.5;       // the sm80 gather forward, and D32
 inline constexpr double kSm90aGatherForwardShare = 0.9;  // the sm90a gather forward, D > 32
-// paired_heads: the gather backward takes two query heads per CTA (gather_backward_pairs in
-// cuda_backend.cpp). Measured so on an H200 (2026-11-27, the crossover suite at D128, gpu ms,
+// The gather backward's kernels, whose crossovers differ: the sm80 one with a query head per CTA,
+// with two (BackwardParams::pair_heads; gather_backward_pairs in cuda_backend.cpp), and the sm90a
+// one, which takes two always (sm90a_gather_backward there).
+enum class GatherBackwardKernel { sm80, sm80_paired, sm90a_paired };
+// sm80_paired: measured so on an H200 (2026-11-27, the crossover suite at D128, gpu ms,
 // gathered / tile): share 0.44 3.58 / 7.40, 0.62 4.86 / 7.25, 0.76 5.89 / 6.99, 0.94 7.20 / 6.28,
 // 1.0 7.54 / 5.33: the lines cross near 0.86.
 inline constexpr double kPairedGatherBackwardShare = 0.8;
-// sm90a_kernel: paired heads run the sm90a gather backward (sm90a_gather_backward in
-// cuda_backend.cpp). The same suite on an H200 (2026-11-27): share 0.76 4.60 / 6.98, 0.94 5.66 /
+// sm90a_paired: the same suite on an H200 (2026-11-27): share 0.76 4.60 / 6.98, 0.94 5.66 /
 // 6.28, 1.0 5.91 / 5.33: the lines cross near 0.97.
 inline constexpr double kSm90aPairedGatherBackwardShare = 0.95;
-inline double gather_backward_share(std::int64_t head_dim, bool paired_heads, bool sm90a_kernel = false) {
+inline double gather_backward_share(std::int64_t head_dim, GatherBackwardKernel kernel) {
   if (head_dim <= 32) return 1.0;
-  if (paired_heads) return sm90a_kernel ? kSm90aPairedGatherBackwardShare : kPairedGatherBackwardShare;
+  switch (kernel) {
+    case GatherBackwardKernel::sm90a_paired: return kSm90aPairedGatherBackwardShare;
+    case GatherBackwardKernel::sm80_paired: return kPairedGatherBackwardShare;
+    case GatherBackwardKernel::sm80: break;
+  }
   return head_dim <= 64 ? 0.8 : 0.65;  // D96: its tile backward is sm80's, slower than sm90a's
 }
 // A decode (one query row) pays less for its gathers: its kept keys are split across CTAs, each

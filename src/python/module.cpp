@@ -269,8 +269,8 @@ NB_MODULE(_C, m) {
                ", strides=" + v.stride_string() + ", " + fd::device_name(v.device) + ")";
       });
 
-  // paths: bit 0 gather_forward, bit 1 gather_backward, bit 2 sm90a_forward_lists (one int through
-  // the torch ops' schemas).
+  // paths: bit 0 gather_forward, bit 1 gather_backward, bit 2 sm90a_forward_lists, bit 3
+  // gather_backward_unpaired (one int through the torch ops' schemas).
   nb::class_<fd::PreparedMask>(m, "PreparedMask",
                                "A mask prepared for the calls that share it (attention.h PreparedMask): its memory, "
                                "and the fingerprint and gather paths prepare_mask() sets")
@@ -283,11 +283,13 @@ NB_MODULE(_C, m) {
             prepared->gather_forward = (paths & 1) != 0;
             prepared->gather_backward = (paths & 2) != 0;
             prepared->sm90a_forward_lists = (paths & 4) != 0;
+            prepared->gather_backward_unpaired = (paths & 8) != 0;
           },
           nb::arg("data") = 0, nb::arg("bytes") = 0, nb::arg("fingerprint") = 0, nb::arg("paths") = 0)
       .def_prop_ro("fingerprint", [](const fd::PreparedMask& p) { return p.fingerprint; })
       .def_prop_ro("paths", [](const fd::PreparedMask& p) {
-        return (p.gather_forward ? 1 : 0) | (p.gather_backward ? 2 : 0) | (p.sm90a_forward_lists ? 4 : 0);
+        return (p.gather_forward ? 1 : 0) | (p.gather_backward ? 2 : 0) | (p.sm90a_forward_lists ? 4 : 0) |
+               (p.gather_backward_unpaired ? 8 : 0);
       });
 
   nb::class_<fd::ForwardArgs>(m, "ForwardArgs", "The arguments of one forward call (attention.h)")

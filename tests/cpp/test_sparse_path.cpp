@@ -35,20 +35,39 @@ TEST(GatherPays, ChoosesByTheTilesThePathWouldVisit) {
 }
 
 TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
-  EXPECT_EQ(gather_backward_share(128, false), 0.65);
-  EXPECT_EQ(gather_backward_share(128, true), kPairedGatherBackwardShare);
-  EXPECT_EQ(gather_backward_share(128, true, true), kSm90aPairedGatherBackwardShare);
-  EXPECT_EQ(gather_backward_share(64, false), 0.8);
-  EXPECT_EQ(gather_backward_share(32, true), 1.0);
+  using Kernel = GatherBackwardKernel;
+  EXPECT_EQ(gather_backward_share(128, Kernel::sm80), 0.65);
+  EXPECT_EQ(gather_backward_share(128, Kernel::sm80_paired), kPairedGatherBackwardShare);
+  EXPECT_EQ(gather_backward_share(128, Kernel::sm90a_paired), kSm90aPairedGatherBackwardShare);
+  EXPECT_EQ(gather_backward_share(64, Kernel::sm80), 0.8);
+  EXPECT_EQ(gather_backward_share(32, Kernel::sm80_paired), 1.0);
   // Scattered keys at 0.76 of the span (top-4096 of 8192): gathered with paired heads only.
   ListedWork work;
   work.listed = 76, work.visible = 100, work.span = 100, work.known = true;
-  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, true)));
-  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, false)));
+  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, Kernel::sm80_paired)));
+  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, Kernel::sm80)));
   // At 0.94 (top-6144 of 8192): gathered on the sm90a paired kernel only.
   work.listed = 94;
-  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, true, true)));
-  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, true)));
+  EXPECT_TRUE(gather_pays(work, gather_backward_share(128, Kernel::sm90a_paired)));
+  EXPECT_FALSE(gather_pays(work, gather_backward_share(128, Kernel::sm80_paired)));
+}
+
+// A prepared mask holds a backward choice for calls whose heads pair and one for calls whose
+// heads do not (a bias with a head per query head), and each backward follows its own.
+TEST(GatherApplies, BackwardFollowsTheChoiceForItsKernel) {
+  if (sparse_path() != SparsePath::automatic) GTEST_SKIP() << kSparsePathVariable << " is set";
+  bool byte = true;
+  const std::optional<TensorView> mask = make_contiguous_view(&byte, DType::boolean, {1, 1, 1, 1});
+  TensorView rows = *mask;  // a row per query and a key dim: lists can be built
+  rows.shape[2] = 8, rows.shape[3] = 8, rows.stride[2] = 8, rows.stride[1] = rows.stride[0] = 64;
+  PreparedMask prepared;
+  prepared.gather_backward = true;  // paired heads gather at this share, a head per CTA would not
+  prepared.gather_backward_unpaired = false;
+  EXPECT_TRUE(gather_applies(rows, 8, &prepared, BackendImpl::Pass::backward, /*heads_pair=*/true));
+  EXPECT_FALSE(gather_applies(rows, 8, &prepared, BackendImpl::Pass::backward, /*heads_pair=*/false));
+  EXPECT_FALSE(gather_applies(rows, 8, &prepared, BackendImpl::Pass::forward));
+  EXPECT_FALSE(gather_applies(rows, 8, nullptr, BackendImpl::Pass::backward, true));  // unprepared: tile
+  EXPECT_FALSE(gather_applies(mask, 8, &prepared, BackendImpl::Pass::backward, true));  // one row for all queries
 }
 
 }  // namespace

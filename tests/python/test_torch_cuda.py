@@ -253,6 +253,8 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     # which measured faster there too (kGatherForwardShare, gather_backward_share).
     dense = flash_dmattn.prepare_mask(q, k, v, full, is_causal=True)
     assert (dense.path, dense.backward_path) == ("tile", "gather")
+    # At D32 a backward with a head per CTA gathers up to the whole span too.
+    assert (prepared.backward_path_unpaired, dense.backward_path_unpaired) == ("gather", "gather")
     leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
     dout = torch.randn_like(q)
 
