@@ -78,6 +78,7 @@ inline double load(const TensorView& v, std::int64_t offset) {
     case DType::float64: return reinterpret_cast<const double*>(base)[offset];
     case DType::boolean: return base[offset] != 0 ? 1.0 : 0.0;
     case DType::int32: return reinterpret_cast<const std::int32_t*>(base)[offset];
+    case DType::uint8: return reinterpret_cast<const std::uint8_t*>(base)[offset];
   }
   return 0.0;
 }
@@ -91,6 +92,7 @@ inline void store(const TensorView& v, std::int64_t offset, double x) {
     case DType::float64: reinterpret_cast<double*>(base)[offset] = x; break;
     case DType::boolean: base[offset] = x != 0.0; break;
     case DType::int32: reinterpret_cast<std::int32_t*>(base)[offset] = static_cast<std::int32_t>(x); break;
+    case DType::uint8: reinterpret_cast<std::uint8_t*>(base)[offset] = static_cast<std::uint8_t>(x); break;
   }
 }
 

@@ -22,6 +22,7 @@ struct Problem {
   DType dtype = DType::float16;
   Device device{};
   bool has_mask = false;
+  bool mask_packed = false;  // a bit-packed mask (uint8, 8 keys a byte)
   bool has_indices = false;  // key lists per row (ForwardArgs::indices)
   std::int64_t indices_rows = 0, indices_entries = 0;  // their query dim (1 or Sq) and list length K
   bool has_bias = false;

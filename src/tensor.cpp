@@ -15,6 +15,7 @@ const char* dtype_name(DType dtype) {
     case DType::float64: return "float64";
     case DType::boolean: return "bool";
     case DType::int32: return "int32";
+    case DType::uint8: return "uint8";
   }
   return "unknown dtype";
 }
@@ -27,6 +28,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::float64: return 8;
     case DType::boolean: return 1;
     case DType::int32: return 4;
+    case DType::uint8: return 1;
   }
   return 0;
 }

@@ -222,6 +222,7 @@ bool all_rows_aligned_16(std::initializer_list<const TensorView*> views) {
 }
 
 const char* kMaskLayout = "(B|1, H|Hk|1, Sq|1, Sk|1)";
+const char* kPackedMaskLayout = "(B|1, H|Hk|1, Sq|1, ceil(Sk/8)) uint8";
 const char* kIndicesLayout = "(B|1, H|Hk|1, Sq|1, K)";
 
 // The layouts of q (out, dout, dq), of k (v, dk, dv) and of lse: batched or packed (attention.h).
@@ -405,9 +406,15 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
 
   if (mask) {
     const Named nm{"mask", &*mask};
-    FDMA_CHECK_OK(check_view(c, nm, 4, kMaskLayout));
-    FDMA_CHECK_OK(check_dtype(c, nm, DType::boolean, "True keeps a key"));
-    FDMA_CHECK_OK(check_broadcast_operand(c, nm, *p));
+    p->mask_packed = mask->dtype == DType::uint8;
+    FDMA_CHECK_OK(check_view(c, nm, 4, p->mask_packed ? kPackedMaskLayout : kMaskLayout));
+    if (!p->mask_packed) FDMA_CHECK_OK(check_dtype(c, nm, DType::boolean, "True keeps a key; uint8: bit-packed"));
+    FDMA_CHECK_OK(check_broadcast_operand(c, nm, *p, p->mask_packed ? 3 : 4));
+    const std::int64_t packed_keys = (p->seqlen_k + 7) / 8;
+    if (p->mask_packed && mask->shape[3] != packed_keys) {
+      return c.fail("mask", "expected ceil(Sk/8)=", packed_keys, " bytes of key bits (dim 3) in a bit-packed mask ",
+                    kPackedMaskLayout, ", got ", mask->shape[3], " in shape ", mask->shape_string());
+    }
     p->has_mask = true;
   }
   if (indices) {

@@ -5,7 +5,9 @@
 //   q, out, dout, dq        (B, Sq, H, D)    fp16 or bf16
 //   k, v, dk, dv            (B, Sk, Hk, D)   same dtype as q
 //   lse                     (B, H, Sq)       fp32, natural log
-//   mask (optional)         (B|1, H|Hk|1, Sq|1, Sk|1)  bool
+//   mask (optional)         (B|1, H|Hk|1, Sq|1, Sk|1)  bool, or bit-packed:
+//                           (B|1, H|Hk|1, Sq|1, ceil(Sk/8)) uint8, key j at bit j % 8 (the least
+//                           significant first) of byte j / 8; bits past Sk are not read
 //   bias (optional), dbias  (B|1, H|Hk|1, Sq|1, Sk|1)  q's dtype or fp32; dbias has bias's shape and dtype
 //   indices (optional)      (B|1, H|Hk|1, Sq|1, K)   int32: each row's keys, -1 pads (docs/semantics.md §2);
 //                                                    with a mask, a key must be kept by both

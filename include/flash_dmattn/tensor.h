@@ -17,6 +17,7 @@ enum class DType : int {
   float64,  // accepted by the fp64 reference only (tests); the public API rejects it
   boolean,  // one byte per element, nonzero = true
   int32,    // key indices (ForwardArgs::indices)
+  uint8,    // a bit-packed mask: 8 keys a byte (attention.h)
 };
 
 const char* dtype_name(DType dtype);

@@ -628,6 +628,7 @@ class CudaSm80Backend final : public BackendImpl {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
     if (p.packed) return std::string("runs no packed sequences yet (the torch front pads them into a batch)");
     if (p.cached) return std::string("runs no KV caches yet (the torch front gathers their pages)");
+    if (p.mask_packed) return std::string("reads bool masks only yet (the torch front unpacks bit-packed ones)");
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
     if (arch < 80) return "needs compute capability 8.0 or newer, device has " + std::to_string(arch / 10) + "." +

@@ -30,10 +30,10 @@ namespace {
 
 fd::DType parse_dtype(const std::string& name) {
   for (fd::DType d : {fd::DType::float16, fd::DType::bfloat16, fd::DType::float32, fd::DType::float64,
-                      fd::DType::boolean, fd::DType::int32}) {
+                      fd::DType::boolean, fd::DType::int32, fd::DType::uint8}) {
     if (name == fd::dtype_name(d)) return d;
   }
-  fail("flash_dmattn.View: argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, got '" +
+  fail("flash_dmattn.View: argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, uint8, got '" +
        name + "'");
 }
 

@@ -43,6 +43,15 @@ struct Broadcast {
   }
 };
 
+// Whether the mask keeps key j of row (b, h, i): a nonzero element, or in a bit-packed (uint8)
+// mask, bit j % 8 of byte j / 8 (its key dim holds bytes, never broadcast).
+bool mask_keeps(const TensorView& mask, const Dims& n, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
+  if (mask.dtype != DType::uint8) return load(mask, Broadcast(mask, n, b, h, i, j).view_offset(mask)) != 0.0;
+  const Broadcast at(mask, n, b, h, i, 0);
+  const auto byte = static_cast<std::uint32_t>(load(mask, offset4(mask, at.b, at.h, at.i, j / 8)));
+  return ((byte >> (j % 8)) & 1u) != 0;
+}
+
 // Everything the forward and the backward need about one query row (b, h, i).
 struct Row {
   std::vector<double> dot;      // <q_i, k_j>, unscaled
@@ -69,7 +78,7 @@ struct Row {
     for (std::int64_t j = 0; j < n.Sk; ++j) {
       // vis = mask ∧ listed ∧ causal-limit; the causal diagonal is aligned to the bottom-right corner.
       bool vis = !in.causal || j <= i + n.Sk - n.Sq;
-      if (vis && in.mask) vis = load(*in.mask, Broadcast(*in.mask, n, b, h, i, j).view_offset(*in.mask)) != 0.0;
+      if (vis && in.mask) vis = mask_keeps(*in.mask, n, b, h, i, j);
       if (vis && in.indices) vis = listed[j] != 0;
       if (!vis) continue;
       double acc = 0.0;

@@ -15,7 +15,9 @@ namespace flash_dmattn::reference {
 struct Inputs {
   TensorView q;                      // (B, Sq, H, D)
   TensorView k, v;                   // (B, Sk, Hk, D)
-  const TensorView* mask = nullptr;  // (B|1, H|Hk|1, Sq|1, Sk|1), nonzero keeps a key
+  // (B|1, H|Hk|1, Sq|1, Sk|1), nonzero keeps a key; uint8: bit-packed, (.., ceil(Sk/8)), key j at
+  // bit j % 8 of byte j / 8
+  const TensorView* mask = nullptr;
   const TensorView* bias = nullptr;  // same broadcast shapes
   // (B|1, H|Hk|1, Sq|1, K) int32: a row keeps the keys it lists (and the mask keeps); -1 and any
   // other value outside [0, Sk) are no key.

@@ -32,8 +32,8 @@ inline TensorView batch_of_one(const TensorView& packed, std::int64_t first, std
 }
 
 // Sequence b's part of a (B|1, heads, Sq|1, Sk|1) operand: its batch, its first `rows` query rows
-// and `keys` keys (a broadcast dimension stays one). Key indices (B|1, heads, Sq|1, K) keep
-// their list: pass keys < 0.
+// and `keys` keys (a broadcast dimension stays one; a bit-packed mask keeps the bytes of its
+// keys). Key indices (B|1, heads, Sq|1, K) keep their list: pass keys < 0.
 inline TensorView sequence_operand(const TensorView& t, std::int64_t b, std::int64_t rows, std::int64_t keys) {
   TensorView v = t;
   if (t.shape[0] != 1) {
@@ -41,7 +41,7 @@ inline TensorView sequence_operand(const TensorView& t, std::int64_t b, std::int
     v.shape[0] = 1;
   }
   if (t.shape[2] != 1) v.shape[2] = rows;
-  if (keys >= 0 && t.shape[3] != 1) v.shape[3] = keys;
+  if (keys >= 0 && t.shape[3] != 1) v.shape[3] = t.dtype == DType::uint8 ? (keys + 7) / 8 : keys;
   return v;
 }
 
