@@ -27,6 +27,7 @@
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
 #include "kernels/sm80/bwd_mainloop.h"
+#include "kernels/sm80/bwd_fragments.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/gemm.h"
 
@@ -73,11 +74,6 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
   const typename Smem::List list(f.lists, b, h, query0, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
-  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
 
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
@@ -86,56 +82,11 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor tKsK = gmem_thr.partition_D(sK);
   Tensor tVsV = gmem_thr.partition_D(sV);
 
-  // The three GEMMs' fragments and the shared -> register copies that feed them, as in the
-  // key-tile kernel.
-  typename Traits::TiledMmaSdP mma_sdp;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdO.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{}));
+  // The three GEMMs' fragments and the shared -> register copies that feed them.
+  auto fragments = backward_fragments<Traits>(tid, sQ, sdO, sK, sV, sP, sdS);
+  FDMA_NAME_BACKWARD_FRAGMENTS(fragments);
 
-  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tid);
-  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
-  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
-  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tid);
-  Tensor tSsK = thr_sdp_b.partition_S(sK);
-  Tensor tdPsV = thr_sdp_b.partition_S(sV);
-  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tid);
-  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
-  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
-  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tid);
-  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
-  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
-  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-  auto thr_dq_a = copy_dq_a.get_thread_slice(tid);
-  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
-  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-  auto thr_dq_b = copy_dq_b.get_thread_slice(tid);
-  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
-  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
-  auto thr_pds = copy_pds.get_thread_slice(tid);
-  Tensor tPsP = thr_pds.partition_D(sP);
-  Tensor tdSsdS = thr_pds.partition_D(sdS);
-
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()));
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 

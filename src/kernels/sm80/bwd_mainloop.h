@@ -19,6 +19,7 @@
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
+#include "kernels/sm80/bwd_fragments.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/gemm.h"
 
@@ -46,11 +47,6 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
   constexpr bool kBulkDq = Traits::kStagedDq && kHasBulkReductions;
   StagedDqReduction<kBlockM, kHeadDim> staged_dq(reduce + Traits::kReduceFloats);
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
-  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
 
   // Global -> shared copies, with the (row, column) of every vector for predication.
   typename Traits::GmemTiledCopy gmem_copy;
@@ -65,55 +61,11 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   };
 
   // The three GEMMs' fragments and the shared -> register copies that feed them.
-  typename Traits::TiledMmaSdP mma_sdp;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdO.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{}));
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{}));
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{}));
+  auto fragments = backward_fragments<Traits>(tid, sQ, sdO, sK, sV, sP, sdS);
+  FDMA_NAME_BACKWARD_FRAGMENTS(fragments);
 
-  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tid);
-  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
-  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
-  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tid);
-  Tensor tSsK = thr_sdp_b.partition_S(sK);
-  Tensor tdPsV = thr_sdp_b.partition_S(sV);
-  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tid);
-  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
-  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
-  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tid);
-  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
-  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
-  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-  auto thr_dq_a = copy_dq_a.get_thread_slice(tid);
-  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
-  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-  auto thr_dq_b = copy_dq_b.get_thread_slice(tid);
-  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
-  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
-  auto thr_pds = copy_pds.get_thread_slice(tid);
-  Tensor tPsP = thr_pds.partition_D(sP);
-  Tensor tdSsdS = thr_pds.partition_D(sdS);
-
-  // (row, col) inside the tile of every element of S, dQ and dK/dV this thread holds.
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // The (row, col) of the thread's elements of S, as the accumulator's rows and columns.
   Tensor tScS_rc = make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()));
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
