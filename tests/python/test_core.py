@@ -55,7 +55,7 @@ def test_view_round_trip():
 
 @pytest.mark.parametrize("args, message", [
     ((0, "int8", (1,), (1,)),
-     "argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, got 'int8'"),
+     "argument 'dtype': expected one of float16, bfloat16, float32, float64, bool, int32, uint8, got 'int8'"),
     ((0, "float16", (1, 2), (1,)),
      "arguments 'shape' and 'strides': expected the same length, at most 4, got 2 and 1"),
     ((0, "float16", (1,) * 5, (1,) * 5), "expected the same length, at most 4, got 5 and 5"),
@@ -115,7 +115,7 @@ def test_messages_name_the_argument_expected_and_actual():
         (dict(q=q[::-1]), "argument 'q': expected non-negative strides"),
         (dict(q=q[0]), "argument 'q': expected rank 4 (B, Sq, H, D), got rank 3"),
         (dict(mask=np.ones((2, 1, 1, 7), np.float16)),
-         "argument 'mask': expected dtype bool (True keeps a key), got float16"),
+         "argument 'mask': expected dtype bool (True keeps a key; uint8: bit-packed), got float16"),
         (dict(mask=np.ones((2, 3, 1, 7), bool)), "argument 'mask': expected heads (dim 1) in {1, Hk=2, H=4}, got 3"),
         (dict(mask=np.ones((2, 1, 1, 6), bool)), "argument 'mask': expected key size (dim 3) 1 or 7, got 6"),
         (dict(bias=randn(1, 1, 5, 7, dtype=np.float64)),
