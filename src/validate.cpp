@@ -260,8 +260,14 @@ Status check_offsets(const Checker& c, const PackedSequences& s, Problem* p) {
                   s.cu_seqlens_q.shape_string());
   }
   FDMA_CHECK_OK(check_shape(c, nk, {s.cu_seqlens_q.shape[0]}, "(the shape of cu_seqlens_q)"));
-  if (s.max_seqlen_q < 0) return c.fail("max_seqlen_q", "expected a length >= 0, got ", s.max_seqlen_q);
-  if (s.max_seqlen_k < 0) return c.fail("max_seqlen_k", "expected a length >= 0, got ", s.max_seqlen_k);
+  // The offsets are int32: no sequence is longer than 2^31 - 1.
+  constexpr std::int64_t kLongest = 2147483647;
+  if (s.max_seqlen_q < 0 || s.max_seqlen_q > kLongest) {
+    return c.fail("max_seqlen_q", "expected a length in [0, 2^31 - 1], got ", s.max_seqlen_q);
+  }
+  if (s.max_seqlen_k < 0 || s.max_seqlen_k > kLongest) {
+    return c.fail("max_seqlen_k", "expected a length in [0, 2^31 - 1], got ", s.max_seqlen_k);
+  }
   p->packed = true;
   p->batch = s.cu_seqlens_q.shape[0] - 1;
   p->seqlen_q = s.max_seqlen_q;
@@ -410,7 +416,7 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
     FDMA_CHECK_OK(check_view(c, nm, 4, p->mask_packed ? kPackedMaskLayout : kMaskLayout));
     if (!p->mask_packed) FDMA_CHECK_OK(check_dtype(c, nm, DType::boolean, "True keeps a key; uint8: bit-packed"));
     FDMA_CHECK_OK(check_broadcast_operand(c, nm, *p, p->mask_packed ? 3 : 4));
-    const std::int64_t packed_keys = (p->seqlen_k + 7) / 8;
+    const std::int64_t packed_keys = p->seqlen_k / 8 + (p->seqlen_k % 8 != 0);  // ceil, without overflow
     if (p->mask_packed && mask->shape[3] != packed_keys) {
       return c.fail("mask", "expected ceil(Sk/8)=", packed_keys, " bytes of key bits (dim 3) in a bit-packed mask ",
                     kPackedMaskLayout, ", got ", mask->shape[3], " in shape ", mask->shape_string());

@@ -16,8 +16,9 @@
 //   q, out, dout, dq        (total_q, H, D)
 //   k, v, dk, dv            (total_k, Hk, D)
 //   lse                     (H, total_q)
-//   mask, bias, dbias       (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1); positions at or past a
-//                           sequence's lengths are not read, and their dbias is 0
+//   mask, bias, dbias       (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1) (a bit-packed mask's key
+//                           dim: ceil(max_seqlen_k/8) bytes); positions at or past a sequence's
+//                           lengths are not read, and their dbias is 0
 //   indices                 not taken with packed sequences
 // A KV cache (ForwardArgs::cache; docs/semantics.md §12, forwards only): q, out (B, Sq, H, D) are
 // every sequence's newest Sq tokens, lse (B, H, Sq), and sequence b sees its cached keys, the

@@ -258,7 +258,9 @@ TEST(PackedSequencesChecks, OffsetsAndLayoutsAreNamed) {
   {
     ForwardArgs a = call.args();
     a.sequences->max_seqlen_k = -1;
-    expect_refused(a, "argument 'max_seqlen_k': expected a length >= 0, got -1");
+    expect_refused(a, "argument 'max_seqlen_k': expected a length in [0, 2^31 - 1], got -1");
+    a.sequences->max_seqlen_k = std::int64_t(1) << 40;
+    expect_refused(a, "argument 'max_seqlen_k': expected a length in [0, 2^31 - 1], got 1099511627776");
   }
   {
     ForwardArgs a = call.args();
