@@ -50,6 +50,7 @@ std::uint64_t mask_fingerprint(const TensorView& mask, const Problem& p) {
   mix(p.causal);
   mix(p.packed);
   mix(p.cached);
+  mix(p.mask_packed);  // a bit-packed mask needs another summary than a bool view of its bytes
   mix(static_cast<std::uint64_t>(p.device.type));
   mix(static_cast<std::uint64_t>(p.device.index));
   return h == 0 ? 1 : h;
