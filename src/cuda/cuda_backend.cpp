@@ -452,15 +452,12 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
          smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim), 2), p);
 }
 
-// Whether a backward takes the gather path: where gather_applies holds for its pass, but not in
-// deterministic mode (its dK, dV and dBias reductions arrive in any order), past
+// Whether a backward takes the gather path: where gather_applies holds for its pass (under auto,
+// the prepared mask's choice for the kernel it would run: heads_pair, gather_backward_pairs), but
+// not in deterministic mode (its dK, dV and dBias reductions arrive in any order), past
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
-bool gather_backward(const BackwardArgs& a, const Problem& p) {
-  if (!a.indices) {
-    // Under auto, the prepared mask's choice for the kernel this call would run.
-    const bool pairs = a.mask && gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-    if (!gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward, pairs)) return false;
-  }
+bool gather_backward(const BackwardArgs& a, const Problem& p, bool heads_pair) {
+  if (!a.indices && !gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward, heads_pair)) return false;
   if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
   return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
@@ -475,12 +472,14 @@ bool sm90a_gather_backward(const Problem& p, int arch) {
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   BackwardPlan plan;
-  if (gather_backward(a, p)) {
+  const bool pairs = (a.mask || a.indices) &&
+                     gather_backward_pairs(list_source(a.mask, a.indices).shape[1], a.bias ? a.bias->shape[1] : 0, p);
+  if (gather_backward(a, p, pairs)) {
     plan.gather = true;
     const kernels::sm80::BackwardTile tile = kernels::sm80::backward_tile(static_cast<int>(p.head_dim));
     const TensorView& source = list_source(a.mask, a.indices);
     plan.lists = list_extent(source, p, tile.block_m, tile.block_n);
-    plan.pair_heads = gather_backward_pairs(source.shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    plan.pair_heads = pairs;
     plan.family = plan.pair_heads && sm90a_gather_backward(p, arch) ? KernelFamily::sm90a : KernelFamily::sm80;
     if (!lists_prepared(a.prepared_mask, plan.lists, source, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
     plan.dkv_accum_bytes = static_cast<std::size_t>(p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
