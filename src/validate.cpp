@@ -390,10 +390,10 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
   p->dtype = q.dtype;
   p->device = q.device;
 
-  const int head_dim = row_dims + 1;
-  if (p->heads < 1) return c.fail("q", "expected at least one head (dim ", head_dim, "), got shape ", q.shape_string());
+  const int heads_dim = row_dims + 1;  // the index of the heads dim in q and k
+  if (p->heads < 1) return c.fail("q", "expected at least one head (dim ", heads_dim, "), got shape ", q.shape_string());
   if (p->head_dim < kHeadDimMultiple || p->head_dim > kMaxHeadDim || p->head_dim % kHeadDimMultiple != 0) {
-    return c.fail("q", "expected head dim (dim ", head_dim + 1, ") a multiple of ", kHeadDimMultiple, " in [",
+    return c.fail("q", "expected head dim (dim ", heads_dim + 1, ") a multiple of ", kHeadDimMultiple, " in [",
                   kHeadDimMultiple, ", ", kMaxHeadDim, "], got ", p->head_dim, " (pad the head dim; the Python front does)");
   }
   if (cache) FDMA_CHECK_OK(check_cache(c, *cache, k, p));
@@ -404,9 +404,9 @@ Status check_operands(const Checker& c, const TensorView& q, const TensorView& k
                                            : concat("(B=", p->batch, ", Sk, Hk, D=", p->head_dim, ") ", layouts.k);
     return c.fail("k", "expected shape ", expected, ", got ", k.shape_string());
   }
-  if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim ", head_dim, "), got shape ", k.shape_string());
+  if (p->kv_heads < 1) return c.fail("k", "expected at least one head (dim ", heads_dim, "), got shape ", k.shape_string());
   if (p->heads % p->kv_heads != 0) {
-    return c.fail("k", "expected a head count (dim ", head_dim, ") that divides q's H=", p->heads, ", got Hk=", p->kv_heads);
+    return c.fail("k", "expected a head count (dim ", heads_dim, ") that divides q's H=", p->heads, ", got Hk=", p->kv_heads);
   }
   FDMA_CHECK_OK(check_shape(c, nv, k_shape(*p), "(the shape of k)"));
 
