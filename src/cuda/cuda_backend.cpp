@@ -64,7 +64,8 @@ kernels::MaskExtent mask_extent(const TensorView& mask, const Problem& p) {
   m.batches = mask.shape[0];
   m.heads = mask.shape[1];
   m.rows = mask.shape[2];
-  m.cols = mask.shape[3];
+  m.packed = mask.dtype == DType::uint8;  // 8 keys a byte: the keys are Sk (validate.cpp)
+  m.cols = m.packed ? p.seqlen_k : mask.shape[3];
   m.batch_stride = mask.stride[0];
   m.head_stride = mask.stride[1];
   m.row_stride = mask.stride[2];
@@ -627,7 +628,6 @@ class CudaSm80Backend final : public BackendImpl {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
     if (p.packed) return std::string("runs no packed sequences yet (the torch front pads them into a batch)");
     if (p.cached) return std::string("runs no KV caches yet (the torch front gathers their pages)");
-    if (p.mask_packed) return std::string("reads bool masks only yet (the torch front unpacks bit-packed ones)");
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
     if (arch < 80) return "needs compute capability 8.0 or newer, device has " + std::to_string(arch / 10) + "." +

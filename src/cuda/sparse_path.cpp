@@ -18,7 +18,9 @@ SparsePath sparse_path(std::string* error) {
 }
 
 bool gather_possible(const std::optional<TensorView>& mask, std::int64_t seqlen_q) {
-  return mask && mask->shape[3] != 1 && (mask->shape[2] != 1 || seqlen_q == 1);
+  // (A bit-packed mask always has a key dim: its bytes never broadcast, ceil(Sk/8) may be 1.)
+  const bool keys = mask && (mask->shape[3] != 1 || mask->dtype == DType::uint8);
+  return keys && (mask->shape[2] != 1 || seqlen_q == 1);
 }
 
 bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q, const PreparedMask* prepared,

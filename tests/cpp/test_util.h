@@ -134,6 +134,28 @@ inline HostTensor operand_of(const HostTensor& full, std::int64_t b, std::int64_
   return t;
 }
 
+// The bool mask (.., Sk) packed into (.., ceil(Sk/8)) bytes, key j at bit j % 8 of byte j / 8,
+// rows padded by `row_pad` bytes; the bits past Sk are random.
+inline HostTensor pack(const HostTensor& mask, std::mt19937_64& rng, std::int64_t row_pad = 3) {
+  const TensorView& m = mask.view;
+  const std::int64_t keys = m.shape[3], bytes = (keys + 7) / 8;
+  HostTensor packed = HostTensor::empty(DType::uint8, {m.shape[0], m.shape[1], m.shape[2], bytes}, row_pad);
+  std::uniform_int_distribution<int> coin(0, 1);
+  for (std::int64_t a = 0; a < m.shape[0]; ++a)
+    for (std::int64_t h = 0; h < m.shape[1]; ++h)
+      for (std::int64_t i = 0; i < m.shape[2]; ++i)
+        for (std::int64_t byte = 0; byte < bytes; ++byte) {
+          unsigned value = 0;
+          for (int bit = 0; bit < 8; ++bit) {
+            const std::int64_t j = 8 * byte + bit;
+            const bool keep = j < keys ? mask.get(host::offset4(m, a, h, i, j)) != 0.0 : coin(rng) != 0;
+            value |= static_cast<unsigned>(keep) << bit;
+          }
+          packed.set(host::offset4(packed.view, a, h, i, byte), value);
+        }
+  return packed;
+}
+
 // A forward the library refuses before any work, with a message that holds `fragment`.
 inline void expect_refused(const ForwardArgs& a, const std::string& fragment) {
   const Status s = forward(a);

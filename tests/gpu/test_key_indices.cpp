@@ -201,7 +201,7 @@ std::optional<Results> run(const RefProblem& p, const HostTensor* mask, const Ho
 }
 
 void expect_same_bytes(const char* name, const HostTensor& a, const HostTensor& b) {
-  EXPECT_TRUE(a.bytes == b.bytes) << name << " differs between indices and the mask";
+  EXPECT_TRUE(a.bytes == b.bytes) << name << " differs between the two calls";
 }
 
 // Within 1% of the tensor's largest magnitude: fp32 reductions summed in another order. A value
@@ -251,6 +251,45 @@ TEST_P(KeyIndicesCall, MatchTheMaskTheyStandFor) {
   expect_close("dv", with_indices->dv, with_mask->dv);
   expect_close("dbias", with_indices->dbias, with_mask->dbias);
 }
+
+// Bit-packed masks (uint8, 8 keys a byte) against the bool masks they pack, on both paths: the
+// kernels read only the summary and bits that the packed summary pass builds, so out and lse
+// agree bit for bit, and dQ, dK, dV and dBias (on the tile path dQ too is summed by atomics in
+// any order) to rounding.
+class PackedMaskCall : public GpuParamTest<const char*> {};
+
+TEST_P(PackedMaskCall, MatchesTheBoolMaskItPacks) {
+  const ScopedEnv path("FLASH_DMATTN_SPARSE_PATH", GetParam());
+  auto rng = test_rng();
+  struct Case {
+    Sizes n;
+    OperandShape mask;
+    bool causal;
+  };
+  for (const Case& c : {Case{{2, 130, 203, 4, 2, 64}, {true, 2, true, true}, true},
+                        Case{{1, 77, 64, 4, 1, 128}, {false, 1, true, true}, false},
+                        Case{{2, 1, 999, 8, 2, 64}, {true, 2, true, true}, true},
+                        Case{{1, 65, 9, 2, 2, 64}, {true, 0, false, true}, true}}) {
+    RefProblem p = RefProblem::random(c.n, rng, c.mask, OperandShape{true, c.n.Hk, false, true}, 0.3, DType::bfloat16);
+    p.causal = c.causal;
+    const HostTensor bits = pack(*p.mask, rng);
+    const std::optional<Results> with_bits = run(p, &bits, nullptr, stream());
+    if (!with_bits) {
+      if (!HasFailure()) GTEST_SKIP() << "refused by this build or device";
+      return;
+    }
+    const std::optional<Results> with_mask = run(p, &*p.mask, nullptr, stream());
+    ASSERT_TRUE(with_mask.has_value());
+    expect_same_bytes("out", with_bits->out, with_mask->out);
+    expect_same_bytes("lse", with_bits->lse, with_mask->lse);
+    expect_close("dq", with_bits->dq, with_mask->dq);
+    expect_close("dk", with_bits->dk, with_mask->dk);
+    expect_close("dv", with_bits->dv, with_mask->dv);
+    expect_close("dbias", with_bits->dbias, with_mask->dbias);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, PackedMaskCall, ::testing::Values("tile", "gather"));
 
 TEST_F(IndexBitsBuild, OneListForEveryQueryRowIsRefused) {
   // One list for all of several query rows would be built once per query tile: refused, named.

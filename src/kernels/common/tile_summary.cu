@@ -252,6 +252,58 @@ __global__ void __launch_bounds__(kThreads) row_summary_kernel(MaskExtent mask, 
   }
 }
 
+// A bit-packed mask holds a summary block's 64 keys in 8 bytes of a row: a thread per (row, block)
+// reads them at once (one 64-bit load where the row allows), ORs the block's flags over its rows
+// in shared memory, and stores the bytes as the row's two words of bits (little-endian: key j is
+// bit j % 32 of word j / 32, as in the bytes), the bits past the keys cleared. 8x fewer bytes
+// than the bool mask's; the CTA covers kPackedCtaBlocks blocks of one row block.
+constexpr int kPackedCtaBlocks = kThreads / kSummaryBlock;
+
+__host__ __device__ GridShape packed_summary_grid_shape(const MaskExtent& mask) {
+  return {(blocks_of(mask.cols) + kPackedCtaBlocks - 1) / kPackedCtaBlocks, blocks_of(mask.rows), mask.batches * mask.heads};
+}
+
+__global__ void __launch_bounds__(kThreads) packed_summary_kernel(MaskExtent mask, std::uint8_t* out,
+                                                                   std::uint32_t* bits_out) {
+  __shared__ unsigned flags[kPackedCtaBlocks];
+  const GridCoords cta = unfold_block(packed_summary_grid_shape(mask));
+  const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = blocks_of(mask.rows);
+  const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
+  const std::int64_t r0 = std::int64_t(cta.y) * kSummaryBlock;
+  const int rows = static_cast<int>(mask.rows - r0 < kSummaryBlock ? mask.rows - r0 : kSummaryBlock);
+  const int local = threadIdx.x / kSummaryBlock, row = threadIdx.x % kSummaryBlock;
+  const std::int64_t block = std::int64_t(cta.x) * kPackedCtaBlocks + local, c0 = block * kSummaryBlock;
+  // Keys at or past `seen_end` are causally hidden from every row of the block: not summarized.
+  std::int64_t seen_end = mask.cols;
+  if (mask.causal) {
+    const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
+    seen_end = last_key < 0 ? 0 : (last_key + 1 < mask.cols ? last_key + 1 : mask.cols);
+  }
+  if (threadIdx.x < kPackedCtaBlocks) flags[threadIdx.x] = 0;
+  __syncthreads();
+  if (row < rows && c0 < seen_end) {
+    const std::uint8_t* bytes = mask.ptr + b * mask.batch_stride + h * mask.head_stride + (r0 + row) * mask.row_stride + c0 / 8;
+    const int keys = static_cast<int>(mask.cols - c0 < kSummaryBlock ? mask.cols - c0 : kSummaryBlock);
+    std::uint64_t v = 0;
+    if (keys == kSummaryBlock && reinterpret_cast<std::uintptr_t>(bytes) % 8 == 0) {
+      v = *reinterpret_cast<const std::uint64_t*>(bytes);
+    } else {
+      for (int i = 0; i < (keys + 7) / 8; ++i) v |= std::uint64_t(bytes[i]) << (8 * i);
+    }
+    const auto first = [](int n) { return n >= 64 ? ~0ull : (1ull << n) - 1ull; };
+    v &= first(keys);
+    const int counted = static_cast<int>(seen_end - c0 < keys ? seen_end - c0 : keys);
+    const std::uint64_t in = first(counted), keep = v & in;
+    const unsigned block_flags = (keep != 0 ? kTileHasVisible : 0u) | (keep != in ? kTileHasHidden : 0u);
+    if (block_flags) atomicOr(&flags[local], block_flags);
+    std::uint32_t* words = bits_out + (bh * mask.rows + r0 + row) * words_of(mask.cols) + c0 / 32;
+    words[0] = static_cast<std::uint32_t>(v);
+    if (keys > 32) words[1] = static_cast<std::uint32_t>(v >> 32);
+  }
+  __syncthreads();
+  if (row == 0 && block < col_blocks) out[(bh * row_blocks + cta.y) * col_blocks + block] = static_cast<std::uint8_t>(flags[local]);
+}
+
 }  // namespace
 
 std::size_t tile_summary_bytes(const MaskExtent& mask) {
@@ -285,6 +337,9 @@ cudaError_t build_tile_summary(const MaskExtent& mask, void* workspace, cudaStre
   if (tile_summary_bytes(mask) == 0) return cudaSuccess;
   auto* out = static_cast<std::uint8_t*>(workspace);
   auto* bits = const_cast<std::uint32_t*>(summary->bits);
+  if (mask.packed) {
+    return launch_folded<0>(&packed_summary_kernel, packed_summary_grid_shape(mask), kThreads, stream, mask, out, bits);
+  }
   if (mask.rows == 1 && !mask.causal) {
     return launch_folded<0>(&row_summary_kernel, row_summary_grid_shape(mask), kThreads, stream, mask, out, bits);
   }

@@ -22,6 +22,9 @@ struct MaskExtent {
   // mask's bytes under causal masking. Their classes are written as 0, their bits not at all.
   bool causal = false;
   std::int64_t diagonal = 0;
+  // Bit-packed (attention.h): cols keys in ceil(cols / 8) bytes a row, key j at bit j % 8 of byte
+  // j / 8; col_stride is 1 (bytes), row_stride counts bytes.
+  bool packed = false;
 };
 
 // Bytes of workspace the summary of this mask needs.
