@@ -103,7 +103,8 @@ struct PreparedMask {
 // and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Both are (B + 1,) int32 on the tensors'
 // device, rising from 0 to total_q and total_k. On the CPU their values are checked before any
 // work (invalid_argument naming the offsets); CUDA backends cannot read them without waiting for
-// the device, and run no packed call yet (the torch front pads packed batches for them).
+// the device and trust them (a sequence longer than the maxima is cut to them). On CUDA the sm80
+// forward runs packed calls; the backward does not yet (the torch front pads packed batches).
 struct PackedSequences {
   TensorView cu_seqlens_q, cu_seqlens_k;
   std::int64_t max_seqlen_q = 0, max_seqlen_k = 0;  // at least every sequence's length; size mask and bias

@@ -71,7 +71,8 @@ kernels::MaskExtent mask_extent(const TensorView& mask, const Problem& p) {
   m.row_stride = mask.stride[2];
   m.col_stride = mask.stride[3];
   m.head_divisor = static_cast<int>(heads / mask.shape[1]);
-  m.causal = p.causal && mask.shape[2] > 1;
+  // Packed sequences align their causal diagonals each its own way: no block is skipped for all.
+  m.causal = p.causal && mask.shape[2] > 1 && !p.packed;
   m.diagonal = p.seqlen_k - p.seqlen_q;
   return m;
 }
@@ -98,6 +99,22 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
   f.out_head_stride = a.out.stride[2];
   f.lse_batch_stride = a.lse.stride[0];
   f.lse_head_stride = a.lse.stride[1];
+  if (p.packed) {  // (total, heads, D) and lse (H, total_q): the kernels rebase per sequence (sequences.h)
+    const TensorView* rows[] = {&a.q, &a.k, &a.v, &a.out};
+    std::int64_t* strides[][3] = {{&f.q_batch_stride, &f.q_row_stride, &f.q_head_stride},
+                                  {&f.k_batch_stride, &f.k_row_stride, &f.k_head_stride},
+                                  {&f.v_batch_stride, &f.v_row_stride, &f.v_head_stride},
+                                  {&f.out_batch_stride, &f.out_row_stride, &f.out_head_stride}};
+    for (int t = 0; t < 4; ++t) {
+      *strides[t][0] = 0;
+      *strides[t][1] = rows[t]->stride[0];
+      *strides[t][2] = rows[t]->stride[1];
+    }
+    f.lse_batch_stride = 0;
+    f.lse_head_stride = a.lse.stride[0];
+    f.cu_seqlens_q = static_cast<const int*>(a.sequences->cu_seqlens_q.data);
+    f.cu_seqlens_k = static_cast<const int*>(a.sequences->cu_seqlens_k.data);
+  }
   if (a.mask) f.mask = broadcast_operand(*a.mask, p.heads);
   if (a.bias) f.bias = broadcast_operand(*a.bias, p.heads);
   f.batch = static_cast<int>(p.batch);
@@ -136,6 +153,7 @@ struct ForwardPlan {
 // Why the sm90a kernels cannot run a pass of a call, or nothing when they can.
 std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pass) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
+  if (p.packed) return std::string("does not run packed sequences yet");
   const ElementType element = element_type(p.dtype);
   const int head_dim = static_cast<int>(p.head_dim);
   if (!(pass == Pass::forward ? kernels::sm90::has_forward(element, head_dim)
@@ -263,7 +281,8 @@ bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& 
 // Whether a preparation makes room for key lists: where the gather path is possible and not
 // forbidden (FLASH_DMATTN_SPARSE_PATH=tile).
 bool lists_room(const ForwardArgs& a, const Problem& p) {
-  return gather_possible(a.mask, p.seqlen_q) && sparse_path() != SparsePath::tile && !p.empty();
+  // (Packed sequences have no gather path yet: their lists would follow each sequence's lengths.)
+  return gather_possible(a.mask, p.seqlen_q) && sparse_path() != SparsePath::tile && !p.empty() && !p.packed;
 }
 
 // The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`
@@ -349,7 +368,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t group = p.group_size();
   const TensorView* chooser = a.indices ? &*a.indices : a.mask ? &*a.mask : nullptr;
   const bool mask_per_query_head = chooser && chooser->shape[1] == p.heads && group > 1;
-  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head) plan.pack_group = static_cast<int>(group);
+  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head && !p.packed) plan.pack_group = static_cast<int>(group);
   if (a.indices) {
     // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
     // straight from the entries where index_bits.cu's lists_direct allows (one query row, or
@@ -359,7 +378,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     plan.lists = gather_forward_lists(plan.family, *a.indices, p);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
-  } else if (gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
+  } else if (!p.packed && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
     plan.gather = true;
     plan.family = gather_forward_family(p, arch);
@@ -388,7 +407,8 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   // H200 (B1 H4/2 Sq1 Sk256, mask + bias): at D64 (two 128-key tiles) 0.024-0.026 ms unsplit
   // against 0.029 split (bench CLI); at D128 (four 64-key tiles) the unsplit kernel took 13.7 us
   // against 7.0 + 2.3 for the split one and its combine, so four tiles still split.
-  if (ctas > 0 && ctas < slots && key_tiles > kUnsplitKeyTiles) {
+  // (Packed sequences run unsplit: their partial rows would need each sequence's offsets.)
+  if (ctas > 0 && ctas < slots && key_tiles > kUnsplitKeyTiles && !p.packed) {
     plan.num_splits = static_cast<int>(
         std::min<std::int64_t>({(slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
   }
@@ -626,7 +646,9 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
-    if (p.packed) return std::string("runs no packed sequences yet (the torch front pads them into a batch)");
+    if (p.packed && pass == Pass::backward) {
+      return std::string("runs packed sequences forward only yet (the torch front pads them into a batch)");
+    }
     if (p.cached) return std::string("runs no KV caches yet (the torch front gathers their pages)");
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);

@@ -84,6 +84,12 @@ struct ForwardParams {
   KeyLists lists;  // the gather path's (sm80 kernels); keys == nullptr otherwise
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  // Packed sequences (attention.h PackedSequences): sequence b's queries start at q's row
+  // cu_seqlens_q[b] and its keys at k's row cu_seqlens_k[b]; seqlen_q and seqlen_k are then the
+  // maxima, and a kernel reads its CTA's sequence through for_sequence (sequences.h). nullptr:
+  // a batch of equal lengths.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;

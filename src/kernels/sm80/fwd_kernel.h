@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/common/forward_grid.h"
+#include "kernels/common/sequences.h"
 #include "kernels/params.h"
 #include "kernels/sm80/fwd_mainloop.h"
 
@@ -14,7 +15,10 @@ template <typename Traits, KeySource kSource>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) forward_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(128) char smem[];
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
-  forward_tile<Traits, kSource>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+  // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
+  const ForwardParams p = for_sequence(params, cta.batch);
+  if (cta.m_block * Traits::kBlockM >= p.seqlen_q * p.pack_group) return;
+  forward_tile<Traits, kSource>(p, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
 template <typename Element, int kHeadDim>
