@@ -159,24 +159,34 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // P = exp(z - LSE) replaces S, to shared memory while dP finishes; then dZ = P∘(dP - Δ)
     // replaces dP (dBias reads it), then dS.
     Tensor s = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-    SoftcapGrads<kRows, kCols> cap;
-    float lse_log2[kRows];
-    stats.lse_log2(lse_log2);
-    policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
-      list.apply(kind, policy, acc_s, tScS, c, [&](int r, int col, float z, float dcap) {
-        s(r, col) = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
-        cap.dcap[r][col] = dcap;
+    // The softcap factors (a register per element of S) are held across dP's wait only where
+    // softcap is on: the pass is compiled for both.
+    auto scores = [&](auto softcapped) CUTLASS_LAMBDA_FUNC_INLINE {
+      constexpr bool kCap = decltype(softcapped)::value;
+      SoftcapGrads<kCap ? kRows : 1, kCap ? kCols : 1> cap;
+      float lse_log2[kRows];
+      stats.lse_log2(lse_log2);
+      policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+        list.apply(kind, policy, acc_s, tScS, c, [&](int r, int col, float z, float dcap) {
+          s(r, col) = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
+          if constexpr (kCap) cap.dcap[r][col] = dcap;
+        });
       });
-    });
-    Tensor p_values = convert_fragment<Element>(acc_s);
-    copy(copy_pds, thr_pds.retile_S(p_values),
-         thr_pds.partition_D(swizzled(at.p.data(), typename Traits::SmemLayoutPdS{})));
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dp);
-    logit_gradients(stats, acc_s, acc_dp);
-    Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
-    dbias.add_gathered(dz, tScS_rc, h, policy.row_index, keys, valid, f.seqlen_q);
-    apply_softcap_grads(f.softcap, acc_dp, cap);
+      Tensor p_values = convert_fragment<Element>(acc_s);
+      copy(copy_pds, thr_pds.retile_S(p_values),
+           thr_pds.partition_D(swizzled(at.p.data(), typename Traits::SmemLayoutPdS{})));
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      logit_gradients(stats, acc_s, acc_dp);
+      Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
+      dbias.add_gathered(dz, tScS_rc, h, policy.row_index, keys, valid, f.seqlen_q);
+      if constexpr (kCap) apply_softcap_grads(f.softcap, acc_dp, cap);
+    };
+    if (f.softcap > 0.f) {
+      scores(cute::true_type{});
+    } else {
+      scores(cute::false_type{});
+    }
     Tensor ds_values = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_pds.retile_S(ds_values),
          thr_pds.partition_D(swizzled(at.ds.data(), typename Traits::SmemLayoutPdS{})));
