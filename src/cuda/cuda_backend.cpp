@@ -32,6 +32,9 @@ using kernels::BroadcastOperand;
 using kernels::ElementType;
 using Pass = BackendImpl::Pass;
 
+// Decode: up to this many query rows, whose GQA groups the sm80 kernels pack into one query tile.
+constexpr std::int64_t kDecodePackedRows = 16;
+
 constexpr std::size_t align_up(std::size_t bytes) {
   return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
 }
@@ -163,7 +166,7 @@ std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pa
   }
   // The forward's 128-row tiles would compute mostly padding there; the sm80 warps without rows
   // skip theirs, and only there do GQA heads get packed (which this kernel does not do).
-  if (pass == Pass::forward && p.seqlen_q <= 16) return std::string("does not run Sq <= 16 (decode runs on sm80)");
+  if (pass == Pass::forward && p.seqlen_q <= kDecodePackedRows) return std::string("does not run Sq <= 16 (decode runs on sm80)");
   return std::nullopt;
 }
 
@@ -222,17 +225,30 @@ KernelFamily gather_forward_family(const Problem& p, int arch) {
   return choose_family(p, arch, Pass::forward);
 }
 
-// The lists a gather forward of `family` reads: its kernel's tile.
-kernels::KeyListExtent gather_forward_lists(KernelFamily family, const TensorView& source, const Problem& p) {
+// Whether the sm90a gather forward takes two query heads of a KV head per CTA (pack_group 2): in
+// even GQA groups whose heads pairwise read one list (list_heads) and one bias row (bias_heads,
+// 0: no bias), as the gather backward pairs them (gather_backward_pairs). Not for decode, which
+// packs whole groups (plan_forward), nor packed sequences, which have no gather path yet.
+bool gather_forward_pairs(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
+  auto pairs_share = [&](std::int64_t operand_heads) { return operand_heads == 1 || (p.heads / operand_heads) % 2 == 0; };
+  return p.seqlen_q > kDecodePackedRows && !p.packed && p.group_size() % 2 == 0 && pairs_share(list_heads) &&
+         (bias_heads == 0 || pairs_share(bias_heads));
+}
+
+// The lists a gather forward of `family` reads: its kernel's tile, of half its rows where the
+// sm90a kernel pairs heads (`pairs`).
+kernels::KeyListExtent gather_forward_lists(KernelFamily family, const TensorView& source, const Problem& p,
+                                            bool pairs = false) {
   if (family == KernelFamily::sm80) return forward_list_extent(source, p);
   const auto tile = kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::tma_producer);
-  return list_extent(source, p, tile.block_m, tile.block_n);
+  return list_extent(source, p, pairs ? tile.block_m / 2 : tile.block_m, tile.block_n);
 }
 
 // The lists of the sm90a gather forward's tile: those a prepared mask holds besides
-// forward_list_extent's where that forward would run and its tile differs.
+// forward_list_extent's where that forward would run and its tile differs. Paired where the
+// mask's heads let the heads pair; a call whose bias keeps them apart builds its own lists.
 kernels::KeyListExtent sm90a_forward_list_extent(const TensorView& mask, const Problem& p) {
-  return gather_forward_lists(KernelFamily::sm90a, mask, p);
+  return gather_forward_lists(KernelFamily::sm90a, mask, p, gather_forward_pairs(mask.shape[1], 0, p));
 }
 
 bool same_tile(const kernels::KeyListExtent& a, const kernels::KeyListExtent& b) {
@@ -368,21 +384,28 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const std::int64_t group = p.group_size();
   const TensorView* chooser = a.indices ? &*a.indices : a.mask ? &*a.mask : nullptr;
   const bool mask_per_query_head = chooser && chooser->shape[1] == p.heads && group > 1;
-  if (group > 1 && p.seqlen_q <= 16 && !mask_per_query_head && !p.packed) plan.pack_group = static_cast<int>(group);
+  if (group > 1 && p.seqlen_q <= kDecodePackedRows && !mask_per_query_head && !p.packed) plan.pack_group = static_cast<int>(group);
   if (a.indices) {
     // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
     // straight from the entries where index_bits.cu's lists_direct allows (one query row, or
     // short lists), else through per-row bits.
     plan.gather = true;
     plan.family = gather_forward_family(p, arch);
-    plan.lists = gather_forward_lists(plan.family, *a.indices, p);
+    // Paired as a mask's lists are, so that indices and the mask they stand for run one kernel.
+    const bool pairs = plan.family == KernelFamily::sm90a &&
+                       gather_forward_pairs(a.indices->shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    if (pairs) plan.pack_group = 2;
+    plan.lists = gather_forward_lists(plan.family, *a.indices, p, pairs);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else if (!p.packed && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
     plan.gather = true;
     plan.family = gather_forward_family(p, arch);
-    plan.lists = gather_forward_lists(plan.family, *a.mask, p);
+    const bool pairs = plan.family == KernelFamily::sm90a &&
+                       gather_forward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    if (pairs) plan.pack_group = 2;
+    plan.lists = gather_forward_lists(plan.family, *a.mask, p, pairs);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else {
     plan.family = choose_family(p, arch, Pass::forward);
@@ -398,8 +421,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
                         ? kernels::sm90::forward_tile(static_cast<int>(p.head_dim), kernels::sm90::KvLoads::tma_producer)
                         : kernels::sm80::forward_tile(static_cast<int>(p.head_dim));
   const std::int64_t rows = p.seqlen_q * plan.pack_group;
-  const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m *
-                            (plan.pack_group > 1 ? p.kv_heads : p.heads) * p.batch;
+  const std::int64_t ctas = (rows + tile.block_m - 1) / tile.block_m * (p.heads / plan.pack_group) * p.batch;
   const std::int64_t key_tiles = (p.seqlen_k + tile.block_n - 1) / tile.block_n;
   const std::int64_t slots = std::int64_t(device_info(p.device.index).multiprocessors) * tile.ctas_per_sm;
   // A span of one or two key tiles runs unsplit: its combine (a second launch, and a kernel that

@@ -94,9 +94,11 @@ struct ForwardParams {
   float softcap = 0.f;  // 0: off
   bool causal = false;
 
-  // GQA packing (decode): with pack_group = g > 1, a CTA serves one KV head, and its packed row
-  // r is query row r / g of query head kv_head·g + r % g, so the g query heads that read the same
-  // K and V share one pass over them. pack_group = 1: a CTA serves one query head.
+  // GQA packing: with pack_group = g > 1, CTA y serves query heads y·g .. y·g + g - 1 of one KV
+  // head, and its packed row r is query row r / g of query head y·g + r % g, so the g query heads
+  // that read the same K and V share one pass over them: a decode's whole group (the sm80
+  // forward, which takes g = H / Hk only), or two heads in the sm90a gather forward.
+  // pack_group = 1: a CTA serves one query head.
   int pack_group = 1;
 
   // Split-KV: num_splits CTAs share a query tile's key tiles; each writes its normalized partial

@@ -17,7 +17,9 @@ struct ForwardCta {
 
 __host__ __device__ inline GridShape forward_grid_shape(const ForwardParams& p, int block_m) {
   const std::int64_t rows = std::int64_t(p.seqlen_q) * p.pack_group;
-  return {(rows + block_m - 1) / block_m, p.pack_group > 1 ? p.kv_heads : p.heads, std::int64_t(p.batch) * p.num_splits};
+  // y: a query head, or the pack_group query heads a CTA packs (all of a KV head's in a decode,
+  // two in the sm90a gather forward).
+  return {(rows + block_m - 1) / block_m, p.heads / p.pack_group, std::int64_t(p.batch) * p.num_splits};
 }
 
 // The CTA's place in the grid of query tiles of block_m rows (launch_forward's).

@@ -24,6 +24,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
 template <typename Element, int kHeadDim>
 cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   using Traits = ForwardTraits<Element, kHeadDim>;
+  // The sm80 loop packs a KV head's whole group or nothing (fwd_mainloop.h's kv_h).
+  if (params.pack_group != 1 && params.pack_group != params.heads / params.kv_heads) return cudaErrorInvalidValue;
   // The gather path is a kernel of its own, so that its code does not weigh on the tile path's.
   if (!params.lists.keys) return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
   // Lists built for another tile would have their row bits read at the wrong places (and past

@@ -15,9 +15,10 @@ bool has_gather_forward(ElementType element, int head_dim);
 // Whether it includes the sm90a gather backward there (head dim 128, two query heads per CTA).
 bool has_gather_backward(ElementType element, int head_dim);
 
-// Runs without GQA packing (params.pack_group = 1); split-KV as planned by the host. With key
-// lists (params.lists.keys) the gather forward, whose lists the host built for
-// sm90::forward_tile(head_dim, KvLoads::tma_producer).
+// Split-KV as planned by the host. Without key lists, no GQA packing (params.pack_group = 1).
+// With key lists (params.lists.keys) the gather forward, whose lists the host built for
+// sm90::forward_tile(head_dim, KvLoads::tma_producer), or with pack_group 2 for two query heads
+// per CTA (lists of half its rows).
 cudaError_t forward(const ForwardParams& params, cudaStream_t stream);
 // The main backward kernel only, on the grid of sm90::backward_tile, or with key lists the gather
 // backward (paired heads, on the sm80 backward's lists); the host runs the passes around it

@@ -32,10 +32,15 @@
 namespace flash_dmattn::kernels::sm90 {
 
 // The dense warp-specialized kernel's tiles, MMAs and layouts (128 x 128 tiles at every head dim),
-// with cp.async pipelines and the lists' staging in place of TMA and the bias row.
-template <typename Element_, int kHeadDim_>
+// with cp.async pipelines and the lists' staging in place of TMA and the bias row. kPackedHeads_
+// = 2: the tile's 128 rows are 64 query rows of two query heads of one KV head (RowMap packing,
+// ForwardParams::pack_group), which read one list of 64 rows, so each gathered K and V row serves
+// twice the rows it serves with one head.
+template <typename Element_, int kHeadDim_, int kPackedHeads_ = 1>
 struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer> {
   using Base = ForwardTraits<Element_, kHeadDim_, KvLoads::tma_producer>;
+  static constexpr int kPackedHeads = kPackedHeads_;
+  static constexpr int kListRows = Base::kBlockM / kPackedHeads;
   // Gathers take longer to land than TMA tiles: K stages the producer can run ahead by, within
   // the SM's 227 KB (D128: Q 32 KB, K 3 x 32, V 2 x 32, staging 9).
   static constexpr int kStagesK = 3, kStagesV = kHeadDim_ <= 96 ? 3 : 2;
@@ -46,7 +51,7 @@ struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_pro
   using PipelineV = cutlass::PipelineAsync<kStagesV>;
   // The bias values staged too: read from global memory after S, a chunk's values would wait on
   // their keys and then on L2 with the MMAs idle.
-  using Keys = GatheredKeys<Base::kBlockM, Base::kBlockN, kStagesK, /*kStagesBias=*/true>;
+  using Keys = GatheredKeys<kListRows, Base::kBlockN, kStagesK, /*kStagesBias=*/true>;
   // The producer's copies: its 128 threads across rows of up to 64 elements.
   using GmemTiledCopyKV = typename GmemRowCopies<Element_, 128, Base::kGmemRowElems>::Async;
   // A producer thread holds row addresses and copy coordinates: more than the dense kernel's 24
@@ -144,21 +149,28 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
   const ConsumerThreads threads;
   const int tid = threads.index();
   const WgmmaTurns turns{tid / 128};
-  const RowMap rows{1, h, p.seqlen_q};
-  const int row0 = m_block * kBlockM;
+  constexpr int kPacked = Traits::kPackedHeads;
+  const RowMap rows{kPacked, h, p.seqlen_q * kPacked};  // h: the first of the tile's heads
+  const int row0 = m_block * kBlockM;                     // in packed rows
 
   // Q by cp.async from both consumers, visible to wgmma once every consumer thread's copies have
   // landed and been fenced.
   {
     typename Traits::GmemTiledCopyQKV gmem_copy;
     auto gmem_thr = gmem_copy.get_thread_slice(tid);
-    const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q), make_shape(p.seqlen_q, p.head_dim), make_stride(p.q_row_stride, _1{})),
-                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
     Tensor tQsQ = gmem_thr.partition_D(as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(storage.q.data()), typename Traits::SmemLayoutQ{})));
-    copy_rows_async(gmem_thr.partition_S(gQ), tQsQ, gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})),
-                    p.seqlen_q - row0, p.head_dim);
+    Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    if constexpr (kPacked == 1) {
+      const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+      Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q), make_shape(p.seqlen_q, p.head_dim), make_stride(p.q_row_stride, _1{})),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+      copy_rows_async(gmem_thr.partition_S(gQ), tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+    } else {  // packed rows interleave the heads: a pointer per row
+      copy_rows_by_pointer_async<Element>(tQsQ, tQcQ, rows.rows - row0, p.head_dim,
+                                          rows.row_pointers<Element>(p.q, b * p.q_batch_stride, row0, p.q_row_stride,
+                                                                     p.q_head_stride));
+    }
     cp_async_fence();
     cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();
@@ -242,12 +254,14 @@ __device__ __forceinline__ void consume_chunks(const ForwardParams& p, typename 
                                b, split, threads);
 }
 
+// grid_head: the query head, or with packed heads the pair (its heads 2·grid_head and the next).
 template <typename Traits>
-__device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, char* smem, int m_block, int h, int b,
-                                                      int split) {
+__device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, char* smem, int m_block, int grid_head,
+                                                      int b, int split) {
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warpgroup = threadIdx.x / 128;
-  typename Traits::Keys list(p.lists, b, h, m_block * Traits::kBlockM, reinterpret_cast<char*>(storage.staging.data()));
+  const int h = grid_head * Traits::kPackedHeads;  // the tile's first query head
+  typename Traits::Keys list(p.lists, b, h, m_block * Traits::kListRows, reinterpret_cast<char*>(storage.staging.data()));
   const ChunkShare share(list.chunks(), p.num_splits, split);
   list.first_chunk = share.begin;
   list.stage_bias_row(p, b, h);

@@ -74,16 +74,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   forward_tile_gathered<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
-// The gather path: params.lists holds the key lists of the kernel's tile.
-template <typename Element, int kHeadDim>
-cudaError_t run_gather_forward(const ForwardParams& params, cudaStream_t stream) {
-  using Traits = GatherForwardTraits<Element, kHeadDim>;
+// The gather path: params.lists holds the key lists of the kernel's tile; pack_group 2 runs two
+// query heads per CTA (their lists of 64 rows), 1 one.
+template <typename Traits>
+cudaError_t launch_gather_forward(const ForwardParams& params, cudaStream_t stream) {
   // Lists built for another tile would have their row bits read at the wrong places.
-  if (params.pack_group != 1 || params.lists.block_m != Traits::kBlockM || params.lists.block_n != Traits::kBlockN) {
-    return cudaErrorInvalidValue;
-  }
+  if (params.lists.block_m != Traits::kListRows || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   return launch_query_tiles<Traits::kSmemBytes>(&forward_gather_kernel<Traits>, params, params, Traits::kBlockM,
                                                 Traits::kNThreads, stream);
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_gather_forward(const ForwardParams& params, cudaStream_t stream) {
+  if (params.pack_group == 1) return launch_gather_forward<GatherForwardTraits<Element, kHeadDim>>(params, stream);
+  if (params.pack_group == 2) return launch_gather_forward<GatherForwardTraits<Element, kHeadDim, 2>>(params, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace flash_dmattn::kernels::sm90

@@ -21,7 +21,8 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-// The host runs this kernel without GQA packing (pack_group = 1): a CTA serves one query head.
+// The host runs this kernel without GQA packing (pack_group = 1): a CTA serves one query head
+// (only the gather forward packs heads).
 template <typename Traits>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int h, int b, int split) {
   using namespace cute;
