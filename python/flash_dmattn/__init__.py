@@ -27,6 +27,8 @@ _TORCH_NAMES = {
     "relu_mask": "masks",
     "block_smooth": "masks",
     "create_mask": "masks",
+    "pack_mask": "masks",
+    "unpack_mask": "masks",
 }
 
 __all__ = ["available_backends", "cuda_compiled", "version", *_TORCH_NAMES]

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from . import torch_ops
-from .interface import _autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands
+from .interface import (_autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands,
+                        _unpacked)
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -288,6 +289,8 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
     if _capturing(query):
         raise RuntimeError(_CAPTURE_REFUSED)
     world_size = dist.get_world_size(group)
+    if isinstance(query, torch.Tensor) and query.dim() == 4:  # (each step reads a block of the keys' columns)
+        attn_mask = _unpacked(_fail, "attn_mask", attn_mask, query.size(1) * world_size)
     _check(query, key, value, attn_mask, attn_bias, world_size)
     query, key, value, attn_bias = _autocast(query, key, value, attn_bias)
     # Dtypes, devices and head counts as flash_dmattn_func checks them; mask and bias shapes differ

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import torch_ops
+from . import masks, torch_ops
 
 _MAX_HEAD_DIM = 256
 
@@ -47,6 +47,22 @@ def _check_broadcast(argument: str, t: torch.Tensor, batch: int, heads: int, kv_
             names = ("batch", "heads", "query", "key")
             _fail(ValueError, argument, f"expected {names[d]} size (dim {d}) in {sorted(set(allowed[d]))}, got {size} "
                                         f"in shape {_shape(t)} (layout {layout})")
+
+
+def _packed(mask) -> bool:
+    """Whether a mask is bit-packed, 8 keys a byte (pack_mask): its dtype is uint8."""
+    return mask.dtype == torch.uint8
+
+
+def _unpacked(fail, argument: str, mask, seqlen_k: int):
+    """A bit-packed mask as the bool mask it packs, for the calls that shift, slice or AND it with
+    masks of their own (varlen, KV cache, context parallelism); any other mask as it is."""
+    if not isinstance(mask, torch.Tensor) or not _packed(mask):
+        return mask
+    if mask.dim() != 4 or mask.size(3) != (seqlen_k + 7) // 8:
+        fail(ValueError, argument, f"expected a bit-packed mask (uint8) of key size (dim 3) ceil({seqlen_k} / 8) = "
+                                   f"{(seqlen_k + 7) // 8}, got shape {_shape(mask)}")
+    return masks.unpack_mask(mask, seqlen_k)
 
 
 def _check_types(query, key, value, attn_mask, attn_bias, attn_indices, attn_indices_bias=None) -> None:
@@ -88,7 +104,11 @@ def _check_operands(query, key, value, attn_mask, attn_bias, attn_indices) -> No
         _fail(ValueError, "value", f"expected the shape of key {_shape(key)}, got {_shape(value)}")
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None:
-            _check_broadcast(name, t, batch, heads, kv_heads, seqlen_q, seqlen_k)
+            _check_broadcast(name, t, batch, heads, kv_heads, seqlen_q, seqlen_k, dims=3 if _packed(t) else 4)
+    if attn_mask is not None and _packed(attn_mask) and attn_mask.shape[3] != (seqlen_k + 7) // 8:
+        _fail(ValueError, "attn_mask", f"expected a bit-packed key size (dim 3) of ceil(Sk / 8) = {(seqlen_k + 7) // 8} "
+                                       f"(Sk={seqlen_k}), got {attn_mask.shape[3]} in shape {_shape(attn_mask)} "
+                                       "(a uint8 mask holds 8 keys a byte, pack_mask; its key dim never broadcasts)")
 
 
 def _check_device(argument: str, t: torch.Tensor, query) -> None:
@@ -106,8 +126,9 @@ def _check_mask_bias_types(query, attn_mask, attn_bias) -> None:
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None:
             _check_device(name, t, query)
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        _fail(TypeError, "attn_mask", f"expected dtype torch.bool (True keeps a key), got {attn_mask.dtype}")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.uint8):
+        _fail(TypeError, "attn_mask", f"expected dtype torch.bool (True keeps a key) or torch.uint8 (bit-packed, "
+                                      f"pack_mask), got {attn_mask.dtype}")
     if attn_bias is not None:
         _check_bias_dtype("attn_bias", attn_bias, query)
 
@@ -236,15 +257,18 @@ def _plainly_valid(query, key, value, attn_mask, attn_bias) -> bool:
     if (key_batch != batch or key_head_dim != head_dim or not 0 < head_dim <= _MAX_HEAD_DIM or heads == 0 or
             kv_heads == 0 or heads % kv_heads != 0):
         return False
-    for t in (attn_mask, attn_bias):
+    mask_keys = (1, seqlen_k)
+    if attn_mask is not None and isinstance(attn_mask, tensor) and attn_mask.dtype == torch.uint8:
+        mask_keys = ((seqlen_k + 7) // 8,)  # bit-packed: never broadcast
+    for t, keys in ((attn_mask, mask_keys), (attn_bias, (1, seqlen_k))):
         if t is not None:
             if not isinstance(t, tensor) or t.device != device:
                 return False
             sizes = t.shape
             if (len(sizes) != 4 or sizes[0] not in (1, batch) or sizes[1] not in (1, kv_heads, heads) or
-                    sizes[2] not in (1, seqlen_q) or sizes[3] not in (1, seqlen_k)):
+                    sizes[2] not in (1, seqlen_q) or sizes[3] not in keys):
                 return False
-    return ((attn_mask is None or attn_mask.dtype == torch.bool) and
+    return ((attn_mask is None or attn_mask.dtype == torch.bool or attn_mask.dtype == torch.uint8) and
             (attn_bias is None or attn_bias.dtype == dtype or attn_bias.dtype == torch.float32))
 
 
@@ -280,7 +304,8 @@ def _compact_broadcast(t: torch.Tensor) -> torch.Tensor:
     strides = t.stride()
     if 0 not in strides:  # the common case, answered without a loop over the dims
         return t
-    for d, (size, stride) in enumerate(zip(t.shape, strides)):
+    dims = t.dim() - 1 if t.dtype == torch.uint8 else t.dim()  # (a bit-packed mask's keys never broadcast)
+    for d, (size, stride) in enumerate(zip(t.shape[:dims], strides)):
         if size > 1 and stride == 0:
             t = t.narrow(d, 0, 1)
     return t
@@ -304,7 +329,7 @@ def _kernel_operands(attn_mask, attn_bias):
 
 
 class PreparedMask:
-    """A bool mask prepared once (prepare_mask) for the calls that share it: every layer that reads
+    """A mask (bool or bit-packed) prepared once (prepare_mask) for the calls that share it: every layer that reads
     the same mask, and each forward with its backward. Pass it as flash_dmattn_func's attn_mask.
 
     It holds the mask and what the CUDA kernels would otherwise build from it on every call: the
@@ -375,7 +400,7 @@ def prepare_mask(query, key, value, attn_mask, is_causal=None) -> PreparedMask:
     capture it cannot wait and chooses the tile path; FLASH_DMATTN_SPARSE_PATH=gather or tile
     forces a path without waiting."""
     if attn_mask is None:
-        _fail(ValueError, "attn_mask", "expected a bool mask to prepare, got None")
+        _fail(ValueError, "attn_mask", "expected a mask to prepare (bool or bit-packed), got None")
     _check_types(query, key, value, attn_mask, None, None)
     query, key, value = _autocast(query, key, value)
     _check_operands(query, key, value, attn_mask, None, None)
@@ -392,8 +417,10 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
     Args:
         query: (B, Sq, H, D), float16 or bfloat16 (float32 under torch.autocast).
         key, value: (B, Sk, Hk, D), query's dtype; Hk divides H (GQA/MQA).
-        attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient. Or a
-            PreparedMask (prepare_mask) of such a mask, for calls that share one mask.
+        attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient. Or the
+            same packed 8 keys a byte (pack_mask): uint8 (B|1, H|Hk|1, Sq|1, ceil(Sk / 8)), which
+            the CUDA summary pass reads 8x faster. Or a PreparedMask (prepare_mask) of either, for
+            calls that share one mask.
         attn_bias: optional additive bias, same broadcast shapes, query's dtype or float32. Its
             gradient has the bias's own shape and dtype (summed over its size-1 dims).
         softmax_scale: default 1/sqrt(D) of the unpadded head dim.
@@ -448,6 +475,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         indices = torch.where(columns < key.shape[1], columns, -1).to(torch.int32).contiguous()
     elif attn_indices is not None and not direct:
         listed = _indices_mask(columns, key.shape[1])
+        if attn_mask is not None and _packed(attn_mask):
+            attn_mask = masks.unpack_mask(_compact_broadcast(attn_mask), key.shape[1])
         if attn_mask is not None:
             attn_mask = _compact_broadcast(attn_mask)
         if attn_mask is not None:

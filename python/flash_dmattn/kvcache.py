@@ -10,7 +10,7 @@ the block table are to replace it behind the same call.
 """
 import torch
 
-from .interface import flash_dmattn_func
+from .interface import _unpacked, flash_dmattn_func
 
 
 def _fail(error, argument: str, message: str):
@@ -105,6 +105,7 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
     if is_causal:
         rows = torch.arange(seqlen_q, device=query.device).view(1, 1, seqlen_q, 1)
         visible = visible & (positions <= lengths - seqlen_q + rows)  # (B, 1, Sq, K)
+    attn_mask = _unpacked(_fail, "attn_mask", attn_mask, keys)  # (ANDed with the lengths' mask)
     mask = visible if attn_mask is None else attn_mask & visible
     return flash_dmattn_func(query, k, v, attn_mask=mask, attn_bias=attn_bias, softmax_scale=softmax_scale,
                              is_causal=False, softcap=softcap, return_attn_probs=return_attn_probs)

@@ -4,6 +4,8 @@ A dynamic mask keeps, for every row, the keys whose bias is high: the top `windo
 (topk_mask) or the positive ones (relu_mask), optionally smoothed into whole blocks of keys
 (block_smooth). create_mask is the one-call form models use, and accepts 2-D padding masks.
 Shapes follow the attention call: (B|1, H|Hk|1, Sq|1, Sk); results are bool, True = keep.
+pack_mask packs a bool mask 8 keys to a byte (docs/semantics.md §2), the form flash_dmattn_func
+also takes and the kernels' summary pass reads 8x faster; unpack_mask undoes it.
 
 Where upstream errs, we differ on purpose: create_mask returns the mask unchanged when the window
 holds every key (upstream's torch.topk fails there).
@@ -119,3 +121,44 @@ def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Ten
     if window_size >= key_len:
         return attention_mask
     return topk_mask(attention_bias, attention_mask, window_size, min_dtype, block_size)
+
+
+def _bit_weights(device) -> torch.Tensor:
+    """(8,) uint8: bit j mod 8 of a byte holds key j (least significant first)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask (..., Sk) packed 8 keys to a byte: uint8 (..., ceil(Sk / 8)), key j at bit j mod 8
+    (least significant first) of byte j // 8, the bits past Sk zero. flash_dmattn_func, prepare_mask
+    and the varlen, KV-cache and context-parallel calls take it wherever they take a bool mask.
+
+    The key dim is packed as it is: a key-broadcast mask (last dim 1, Sk > 1) stays bool, since a
+    packed mask's key dim never broadcasts. Leading dims that an expand() made (stride 0) are
+    packed once and expanded again, so that nothing is materialized."""
+    if attention_mask.dtype != torch.bool:
+        raise TypeError(f"pack_mask: argument 'attention_mask': expected dtype torch.bool, got {attention_mask.dtype}")
+    if attention_mask.dim() == 0:
+        raise ValueError("pack_mask: argument 'attention_mask': expected at least 1 dim (the keys), got a scalar")
+    shape = attention_mask.shape
+    compact = attention_mask
+    for d in range(attention_mask.dim() - 1):
+        if compact.stride(d) == 0 and compact.size(d) > 1:
+            compact = compact.narrow(d, 0, 1)
+    seqlen_k = shape[-1]
+    bits = compact.to(torch.uint8)
+    if seqlen_k % 8:
+        bits = torch.nn.functional.pad(bits, (0, -seqlen_k % 8))
+    packed = (bits.unflatten(-1, (-1, 8)) * _bit_weights(bits.device)).sum(-1, dtype=torch.uint8)
+    return packed.expand(*shape[:-1], packed.shape[-1])
+
+
+def unpack_mask(packed_mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The bool mask (..., seqlen_k) that pack_mask packed into packed_mask (..., ceil(seqlen_k / 8))."""
+    if packed_mask.dtype != torch.uint8:
+        raise TypeError(f"unpack_mask: argument 'packed_mask': expected dtype torch.uint8, got {packed_mask.dtype}")
+    if packed_mask.dim() == 0 or packed_mask.shape[-1] != (seqlen_k + 7) // 8:
+        raise ValueError(f"unpack_mask: argument 'packed_mask': expected a last dim of ceil({seqlen_k} / 8) = "
+                         f"{(seqlen_k + 7) // 8}, got shape {tuple(packed_mask.shape)}")
+    bits = packed_mask.unsqueeze(-1).bitwise_and(_bit_weights(packed_mask.device)).ne(0)
+    return bits.flatten(-2)[..., :seqlen_k]

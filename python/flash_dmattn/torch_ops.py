@@ -28,7 +28,7 @@ _HEAD_DIM_MULTIPLE = 8
 # The module reads the tensors themselves (_C.forward_args, _C.backward_args): it is told once
 # which torch dtypes are which.
 _C.register_dtypes({torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                    torch.bool: "bool", torch.int32: "int32"})
+                    torch.bool: "bool", torch.int32: "int32", torch.uint8: "uint8"})
 
 # torch's own accessor of the current stream's handle (what torch.compile's generated code calls),
 # about 1 us cheaper than torch.cuda.current_stream(index).cuda_stream, which builds a Stream.

@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from .interface import flash_dmattn_func
+from .interface import _unpacked, flash_dmattn_func
 
 
 def _fail_varlen(error, argument: str, message: str):
@@ -115,7 +115,7 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
         max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths (the padded sizes).
         attn_mask: optional bool (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1): element (b, h, i, j)
             is query i and key j of sequence b, counted from the sequence's start; positions past a
-            sequence's lengths are not read.
+            sequence's lengths are not read. Or bit-packed (pack_mask), unpacked here for now.
         attn_bias: optional bias of the same layout; its gradient comes back in its shape (zero at
             the positions that no sequence reads).
         is_causal: bottom-right aligned per sequence: query i of sequence b sees keys
@@ -152,6 +152,7 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
     v = padded(value, rows_k, max_seqlen_k)
     keys_kept = (torch.arange(max_seqlen_k, device=query.device)[None, :] >= front_k[:, None]).view(
         batch, 1, 1, max_seqlen_k)
+    attn_mask = _unpacked(_fail_varlen, "attn_mask", attn_mask, max_seqlen_k)  # (shifted per sequence below)
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.size(0) not in (1, batch) or
                               t.size(2) not in (1, max_seqlen_q) or t.size(3) not in (1, max_seqlen_k)):

@@ -569,3 +569,20 @@ def test_packed_and_paged_runners_match_the_padded_batch(name, case):
         if key == "out":
             expected, got = expected[rows], got[rows]
         assert torch.allclose(got, expected, atol=2e-2, rtol=2e-2), key
+
+
+def test_packed_mask_runner_matches_ours():
+    """ours_packed hands the case's mask over bit-packed: on the CPU backend the same bytes as ours
+    with the bool mask, gradients too."""
+    torch = pytest.importorskip("torch")
+    from flash_dmattn.bench.impls import IMPLEMENTATIONS
+    from flash_dmattn.bench.problem import make_problem
+    case = suites.Case("t", 2, 4, 2, 20, 21, 16, True, "topk", window=6)
+    problem = make_problem(case, torch.bfloat16, torch.device("cpu"))
+    packed = IMPLEMENTATIONS["ours_packed"].runner(problem, True)
+    assert packed.inputs[list(packed.names).index("mask")].dtype == torch.uint8
+    ours = IMPLEMENTATIONS["ours"].runner(problem, True).results(True)
+    other = packed.results(True)
+    assert set(other) == set(ours)
+    for key in ours:
+        assert torch.equal(other[key], ours[key]), key

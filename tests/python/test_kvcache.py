@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_dmattn import flash_dmattn_func  # noqa: E402
+from flash_dmattn import flash_dmattn_func, pack_mask  # noqa: E402
 from flash_dmattn.kvcache import flash_dmattn_with_kvcache  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -45,6 +45,9 @@ def test_cache_calls_match_each_sequence_alone(device, paged, is_causal, seqlen_
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     out, lse, _ = flash_dmattn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, attn_mask=mask,
                                             attn_bias=bias, is_causal=is_causal, return_attn_probs=True)
+    packed_out = flash_dmattn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, attn_mask=pack_mask(mask),
+                                           attn_bias=bias, is_causal=is_causal)
+    assert torch.equal(packed_out, out)  # the same mask bit-packed: unpacked on the way
     for b, n in enumerate(lengths):
         expected, expected_lse, _ = flash_dmattn_func(q[b:b + 1], k_logical[b:b + 1, :n], v_logical[b:b + 1, :n],
                                                       attn_mask=mask[b:b + 1, ..., :n], attn_bias=bias[b:b + 1, ..., :n],

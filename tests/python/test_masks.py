@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_dmattn import block_smooth, create_mask, relu_mask, topk_indices, topk_mask  # noqa: E402
+from flash_dmattn import (block_smooth, create_mask, pack_mask, relu_mask, topk_indices, topk_mask,  # noqa: E402
+                          unpack_mask)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MIN = torch.finfo(torch.float32).min
@@ -124,3 +125,30 @@ def test_create_mask_rejects_bad_arguments():
         create_mask(bias, torch.ones(2, 7, dtype=torch.bool), 2, 3, 10, window_size=4, min_dtype=MIN)
     with pytest.raises(ValueError, match="argument 'type': expected 'topk' or 'relu', got 'top-p'"):
         create_mask(bias, None, 2, 3, 10, window_size=4, min_dtype=MIN, type="top-p")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seqlen_k", [1, 8, 13, 64])
+def test_pack_mask_puts_key_j_at_bit_j_mod_8(device, seqlen_k):
+    mask = (torch.rand(2, 3, 4, seqlen_k, generator=torch.Generator().manual_seed(seqlen_k)) < 0.5).to(device)
+    packed = pack_mask(mask)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 4, (seqlen_k + 7) // 8)
+    for j in range(seqlen_k):
+        assert torch.equal(((packed[..., j // 8] >> (j % 8)) & 1).bool(), mask[..., j])
+    if seqlen_k % 8:  # the bits past the keys are zero
+        assert (packed[..., -1] >> (seqlen_k % 8) == 0).all()
+    assert torch.equal(unpack_mask(packed, seqlen_k), mask)
+
+
+def test_pack_mask_keeps_expanded_dims_expanded():
+    mask = (torch.rand(2, 1, 1, 20, generator=torch.Generator().manual_seed(3)) < 0.5).expand(2, 4, 6, 20)
+    packed = pack_mask(mask)
+    assert packed.shape == (2, 4, 6, 3) and packed.stride()[1:3] == (0, 0)
+    assert torch.equal(unpack_mask(packed, 20), mask)
+
+
+def test_pack_and_unpack_name_bad_arguments():
+    with pytest.raises(TypeError, match="pack_mask: argument 'attention_mask': expected dtype torch.bool"):
+        pack_mask(torch.ones(1, 1, 1, 8))
+    with pytest.raises(ValueError, match=r"expected a last dim of ceil\(20 / 8\) = 3, got shape \(1, 1, 1, 2\)"):
+        unpack_mask(torch.zeros(1, 1, 1, 2, dtype=torch.uint8), 20)

@@ -38,7 +38,10 @@ def q_k_v(dtype=torch.float16, head_dim=16, **kwargs):
     (lambda a: a.update(value=a["value"][:, :6]), ValueError,
      "argument 'value': expected the shape of key (2, 7, 2, 16), got (2, 6, 2, 16)"),
     (lambda a: a.update(attn_mask=torch.ones(2, 1, 1, 7)), TypeError,
-     "argument 'attn_mask': expected dtype torch.bool (True keeps a key), got torch.float32"),
+     "argument 'attn_mask': expected dtype torch.bool (True keeps a key) or torch.uint8 (bit-packed, pack_mask), "
+     "got torch.float32"),
+    (lambda a: a.update(attn_mask=torch.ones(2, 1, 1, 7, dtype=torch.uint8)), ValueError,
+     "argument 'attn_mask': expected a bit-packed key size (dim 3) of ceil(Sk / 8) = 1 (Sk=7), got 7"),
     (lambda a: a.update(attn_mask=torch.ones(2, 3, 1, 7, dtype=torch.bool)), ValueError,
      "argument 'attn_mask': expected heads size (dim 1) in [1, 2, 4], got 3"),
     (lambda a: a.update(attn_bias=torch.ones(2, 1, 1, 6, dtype=torch.float16)), ValueError,
@@ -149,6 +152,37 @@ def test_expanded_mask_and_bias_are_read_in_place():
     _, _, ref_grads = run_reference(case, dout, wrt=("bias",))
     assert leaf.grad.shape == (2, 2, 1, 7)
     assert_rounded("dbias", leaf.grad, ref_grads["bias"])
+
+
+@pytest.mark.parametrize("seqlen_k", [7, 16, 21])
+@pytest.mark.parametrize("mask_shape", [(2, 1, 1), (1, 2, 5), (2, 4, 5)])
+def test_bit_packed_masks_give_the_bool_masks_results(seqlen_k, mask_shape):
+    case = make_case(2, 5, seqlen_k, 4, 2, 16, mask_shape=(*mask_shape, seqlen_k), bias_shape=(2, 2, 1, seqlen_k),
+                     keep=0.6)
+    dout = torch.randn(case["q"].shape).bfloat16()
+    out, lse, grads = run_flash(case, dout, is_causal=True)
+    packed = dict(case, mask=flash_dmattn.pack_mask(case["mask"]))
+    packed_out, packed_lse, packed_grads = run_flash(packed, dout, is_causal=True)
+    assert torch.equal(packed_out, out) and torch.equal(packed_lse, lse)
+    for name, grad in grads.items():
+        assert torch.equal(packed_grads[name], grad), name
+    # Expanded (stride 0) leading dims stay views; a prepared packed mask runs the same.
+    wide = flash_dmattn.pack_mask(case["mask"].expand(2, mask_shape[1] if mask_shape[1] > 1 else 4, 5, seqlen_k))
+    assert torch.equal(flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=wide, attn_bias=case["bias"],
+                                         is_causal=True), out)
+    prepared = flash_dmattn.prepare_mask(case["q"], case["k"], case["v"], packed["mask"], is_causal=True)
+    assert torch.equal(flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=prepared, attn_bias=case["bias"],
+                                         is_causal=True), out)
+
+
+def test_bit_packed_mask_beside_key_indices():
+    """Key indices ANDed with a bit-packed mask: as with the bool mask it packs."""
+    case = make_case(2, 5, 13, 4, 2, 16, mask_shape=(2, 2, 5, 13), keep=0.6)
+    indices = torch.randint(0, 13, (2, 2, 5, 6), generator=torch.Generator().manual_seed(1))
+    q, k, v = case["q"], case["k"], case["v"]
+    expected = flash_dmattn_func(q, k, v, attn_mask=case["mask"], attn_indices=indices)
+    packed = flash_dmattn.pack_mask(case["mask"])
+    assert torch.equal(flash_dmattn_func(q, k, v, attn_mask=packed, attn_indices=indices), expected)
 
 
 def test_mask_with_an_expanded_key_dim():
@@ -265,7 +299,7 @@ def test_prepared_mask_matches_the_mask_and_refuses_what_it_can_see():
     with pytest.raises(ValueError, match="argument 'attn_mask': expected a bool mask beside attn_indices"):
         flash_dmattn_func(q, k, v, attn_mask=prepared, is_causal=True,
                           attn_indices=torch.zeros(2, 2, 9, 3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="argument 'attn_mask': expected a bool mask to prepare"):
+    with pytest.raises(ValueError, match="argument 'attn_mask': expected a mask to prepare"):
         flash_dmattn.prepare_mask(q, k, v, None)
     case["mask"][0, 0, 0, 0] = ~case["mask"][0, 0, 0, 0]  # in place: the version counter moves
     with pytest.raises(ValueError, match="modified in place"):
@@ -367,7 +401,7 @@ def test_the_one_pass_check_accepts_only_what_the_checks_accept():
     rng = random.Random(0)
     pick = rng.choice
     accepted = 0
-    for _ in range(3000):
+    for _ in range(4000):
         batch, seqlen_q, kv_heads, seqlen_k = pick([1, 2]), pick([0, 1, 3]), pick([0, 1, 2]), pick([0, 1, 4])
         head_dim = pick([8, 8, 8, 0])
         heads = kv_heads * pick([1, 2]) if rng.random() < 0.8 else pick([0, 3])
@@ -384,7 +418,7 @@ def test_the_one_pass_check_accepts_only_what_the_checks_accept():
             sizes = [pick([1, batch, 3]), pick([1, kv_heads, heads, 3]), pick([1, seqlen_q, 2]), pick([1, seqlen_k, 6])]
             return torch.zeros(sizes[:pick([4, 4, 4, 3])], dtype=pick(dtypes))
 
-        mask = operand([torch.bool, torch.bool, torch.float16])
+        mask = operand([torch.bool, torch.bool, torch.uint8, torch.float16])
         bias = operand([dtype, torch.float32, torch.float64])
         quick = interface._plainly_valid(q, k, v, mask, bias)
         try:

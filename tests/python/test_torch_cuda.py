@@ -201,6 +201,29 @@ def test_prepared_mask_matches_the_mask(path, monkeypatch):
     assert prepared.nbytes > 0 and prepared.path == path
 
 
+@pytest.mark.parametrize("path", ["tile", "gather"])
+@pytest.mark.parametrize("seqlen_k", [200, 203])
+def test_bit_packed_mask_matches_the_bool_mask(path, seqlen_k, monkeypatch):
+    """On both paths the kernels read only the summary and row bits that the packed summary pass
+    builds: out and lse bitwise as with the bool mask, the gradients within the reference's
+    tolerance (the tile path's dQ is summed by atomics in any order); prepared, too."""
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
+    case = make_case(2, 130, seqlen_k, 4, 2, 32, device="cuda", mask_shape=(2, 2, 130, seqlen_k),
+                     bias_shape=(2, 2, 1, seqlen_k), keep=0.3)
+    dout = torch.randn(2, 130, 4, 32, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+    out, lse, _ = run_flash(case, dout, is_causal=True)
+    packed = dict(case, mask=flash_dmattn.pack_mask(case["mask"]))
+    packed_out, packed_lse, packed_grads = run_flash(packed, dout, is_causal=True)
+    assert torch.equal(packed_out, out) and torch.equal(packed_lse, lse)
+    _, _, ref_grads = run_reference(case, dout, is_causal=True)
+    _, _, base_grads = run_reference(case, dout, upcast=False, is_causal=True)
+    for name, grad in packed_grads.items():
+        assert_within_baseline(f"d{name}", grad, ref_grads[name], base_grads[name])
+    prepared = flash_dmattn.prepare_mask(case["q"], case["k"], case["v"], packed["mask"], is_causal=True)
+    assert torch.equal(flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=prepared, attn_bias=case["bias"],
+                                         is_causal=True), out)
+
+
 def test_prepared_mask_holds_the_lists_of_the_forward_that_reads_them(monkeypatch):
     """A preparation holds the key lists of the forward kernels that will run: with the sm90a
     gather forward (a build with it, on sm_90) its 128 x 128 lists beside the ones the backward

@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_dmattn import attention_reference  # noqa: E402
+from flash_dmattn import attention_reference, pack_mask  # noqa: E402
 from flash_dmattn.varlen import flash_dmattn_varlen_func  # noqa: E402
 from tolerance import assert_rounded, assert_within_baseline  # noqa: E402
 
@@ -82,6 +82,10 @@ def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes):
     ref_out, ref_grads = _per_sequence(q, k, v, mask, bias, lengths_q, lengths_k, dout, is_causal, 0.0, True)
     base_out, base_grads = _per_sequence(q, k, v, mask, bias, lengths_q, lengths_k, dout, is_causal, 0.0, False)
     names = ("dq", "dk", "dv", "dbias")
+    if mask is not None and mask.size(3) > 1:  # the same mask bit-packed: unpacked on the way, same bytes
+        packed_out = flash_dmattn_varlen_func(q, k, v, _offsets(lengths_q, device), _offsets(lengths_k, device), max_q,
+                                              max_k, attn_mask=pack_mask(mask), attn_bias=bias, is_causal=is_causal)
+        assert torch.equal(packed_out, out.detach())
     if device == "cpu":  # the CPU backend: fp64, rounded once per call
         assert_rounded("out", out, ref_out.to(out.dtype))
         for name, g, r in zip(names, grads, ref_grads):

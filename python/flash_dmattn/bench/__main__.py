@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from . import report, suites
 
-IMPL_NAMES = ("ours", "ours_prepared", "ours_gather", "ours_tile", "ours_indices", "ours_varlen", "ours_paged", "sdpa_efficient", "sdpa_cudnn", "sdpa_flash", "flex")
+IMPL_NAMES = ("ours", "ours_prepared", "ours_gather", "ours_tile", "ours_indices", "ours_packed", "ours_varlen", "ours_paged", "sdpa_efficient", "sdpa_cudnn", "sdpa_flash", "flex")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
