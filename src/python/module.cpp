@@ -169,7 +169,7 @@ fd::TensorView read_tensor(nb::handle t, const char* argument) {
     }
   }
   if (!known) {
-    fail(std::string("flash_dmattn: argument '") + argument + "': expected dtype float16, bfloat16, float32, bool "
+    fail(std::string("flash_dmattn: argument '") + argument + "': expected dtype float16, bfloat16, float32, bool, "
          "int32 or uint8, got " + nb::repr(dtype).c_str());
   }
   view.rank = read_sizes(attribute(t, names.shape), view.shape, argument);

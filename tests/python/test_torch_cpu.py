@@ -379,7 +379,7 @@ def test_the_module_reads_torch_tensors_directly():
     assert _C.rows_aligned(t[..., :12])  # a row's length does not matter, its stride does
     assert not _C.rows_aligned(torch.zeros(2, 3, 4, 12, dtype=torch.bfloat16))  # rows 24 bytes apart
     assert not _C.rows_aligned(t.transpose(2, 3))  # last dim not contiguous
-    with pytest.raises(ValueError, match="argument 'tensor': expected dtype float16, bfloat16, float32, bool or int32"):
+    with pytest.raises(ValueError, match="argument 'tensor': expected dtype float16, bfloat16, float32, bool, int32 or uint8"):
         _C.rows_aligned(t.to(torch.int8))
     with pytest.raises(ValueError, match="argument 'q': expected a CPU or CUDA tensor"):
         _C.forward_args(t.to("meta"), t, t, t, t, None, None, None, None, False, 0.0, 0, None)
