@@ -329,8 +329,9 @@ def _kernel_operands(attn_mask, attn_bias):
 
 
 class PreparedMask:
-    """A mask (bool or bit-packed) prepared once (prepare_mask) for the calls that share it: every layer that reads
-    the same mask, and each forward with its backward. Pass it as flash_dmattn_func's attn_mask.
+    """A mask (bool or bit-packed) prepared once (prepare_mask) for the calls that share it: every
+    layer that reads the same mask, and each forward with its backward. Pass it as
+    flash_dmattn_func's attn_mask.
 
     It holds the mask and what the CUDA kernels would otherwise build from it on every call: the
     tile summary and, for a mask with a row per query (unless FLASH_DMATTN_SPARSE_PATH=tile), the
@@ -418,8 +419,8 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         query: (B, Sq, H, D), float16 or bfloat16 (float32 under torch.autocast).
         key, value: (B, Sk, Hk, D), query's dtype; Hk divides H (GQA/MQA).
         attn_mask: optional bool (B|1, H|Hk|1, Sq|1, Sk|1); True keeps a key. No gradient. Or the
-            same packed 8 keys a byte (pack_mask): uint8 (B|1, H|Hk|1, Sq|1, ceil(Sk / 8)), which
-            the CUDA summary pass reads 8x faster. Or a PreparedMask (prepare_mask) of either, for
+            same packed 8 keys a byte (pack_mask): uint8 (B|1, H|Hk|1, Sq|1, ceil(Sk / 8)), 8x fewer
+            bytes for the CUDA summary pass to read. Or a PreparedMask (prepare_mask) of either, for
             calls that share one mask.
         attn_bias: optional additive bias, same broadcast shapes, query's dtype or float32. Its
             gradient has the bias's own shape and dtype (summed over its size-1 dims).

@@ -5,7 +5,7 @@ A dynamic mask keeps, for every row, the keys whose bias is high: the top `windo
 (block_smooth). create_mask is the one-call form models use, and accepts 2-D padding masks.
 Shapes follow the attention call: (B|1, H|Hk|1, Sq|1, Sk); results are bool, True = keep.
 pack_mask packs a bool mask 8 keys to a byte (docs/semantics.md §2), the form flash_dmattn_func
-also takes and the kernels' summary pass reads 8x faster; unpack_mask undoes it.
+also takes, with 8x fewer bytes for the kernels' summary pass to read; unpack_mask undoes it.
 
 Where upstream errs, we differ on purpose: create_mask returns the mask unchanged when the window
 holds every key (upstream's torch.topk fails there).
