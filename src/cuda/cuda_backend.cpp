@@ -385,27 +385,27 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   const TensorView* chooser = a.indices ? &*a.indices : a.mask ? &*a.mask : nullptr;
   const bool mask_per_query_head = chooser && chooser->shape[1] == p.heads && group > 1;
   if (group > 1 && p.seqlen_q <= kDecodePackedRows && !mask_per_query_head && !p.packed) plan.pack_group = static_cast<int>(group);
+  // The gather path over the lists of `source` (the indices or the mask): its kernel family, and
+  // on the sm90a kernel two query heads per CTA where the source's and the bias's heads pair (one
+  // rule for both sources, so that indices and the mask they stand for run one kernel).
+  auto plan_gather = [&](const TensorView& source) {
+    plan.gather = true;
+    plan.family = gather_forward_family(p, arch);
+    const bool pairs = plan.family == KernelFamily::sm90a &&
+                       gather_forward_pairs(source.shape[1], a.bias ? a.bias->shape[1] : 0, p);
+    if (pairs) plan.pack_group = 2;
+    plan.lists = gather_forward_lists(plan.family, source, p, pairs);
+  };
   if (a.indices) {
     // Key indices go the gather path only (cannot_run refuses what it cannot take): their lists,
     // straight from the entries where index_bits.cu's lists_direct allows (one query row, or
     // short lists), else through per-row bits.
-    plan.gather = true;
-    plan.family = gather_forward_family(p, arch);
-    // Paired as a mask's lists are, so that indices and the mask they stand for run one kernel.
-    const bool pairs = plan.family == KernelFamily::sm90a &&
-                       gather_forward_pairs(a.indices->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-    if (pairs) plan.pack_group = 2;
-    plan.lists = gather_forward_lists(plan.family, *a.indices, p, pairs);
+    plan_gather(*a.indices);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else if (!p.packed && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
-    plan.gather = true;
-    plan.family = gather_forward_family(p, arch);
-    const bool pairs = plan.family == KernelFamily::sm90a &&
-                       gather_forward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-    if (pairs) plan.pack_group = 2;
-    plan.lists = gather_forward_lists(plan.family, *a.mask, p, pairs);
+    plan_gather(*a.mask);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else {
     plan.family = choose_family(p, arch, Pass::forward);
