@@ -501,7 +501,8 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p, bool heads_pair) {
   if (!a.indices && !gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward, heads_pair)) return false;
-  if (p.deterministic || p.empty() || p.seqlen_k == 0) return false;
+  // (Packed sequences have no gather path yet: their lists would follow each sequence's lengths.)
+  if (p.deterministic || p.empty() || p.seqlen_k == 0 || p.packed) return false;
   return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
@@ -584,7 +585,9 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   const bool grid_empty = p.batch == 0 || p.heads == 0 || plan.key_tiles == 0;
   const bool heads_in_cta = bias_heads != p.heads && p.group_size() > 1;
   // On the gather path every query tile adds to the keys it gathers: always reductions.
-  g.direct = keys && !grid_empty && !batch_shared && !kv_shared && !plan.gather &&
+  // Packed sequences: the key tiles past a shorter sequence's keys write nothing, so their dBias
+  // elements come from the zeroed accumulators.
+  g.direct = keys && !grid_empty && !batch_shared && !kv_shared && !plan.gather && !p.packed &&
              (g.kind == kernels::BiasGradKind::columns || !heads_in_cta);
   if (g.direct) return plan;
   if (p.deterministic && keys) {
@@ -615,6 +618,19 @@ kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p,
   b.dv_batch_stride = a.dv.stride[0];
   b.dv_row_stride = a.dv.stride[1];
   b.dv_head_stride = a.dv.stride[2];
+  if (p.packed) {  // (total, heads, D): the kernels rebase per sequence (sequences.h)
+    std::int64_t* strides[][3] = {{&b.dout_batch_stride, &b.dout_row_stride, &b.dout_head_stride},
+                                  {&b.dq_batch_stride, &b.dq_row_stride, &b.dq_head_stride},
+                                  {&b.dk_batch_stride, &b.dk_row_stride, &b.dk_head_stride},
+                                  {&b.dv_batch_stride, &b.dv_row_stride, &b.dv_head_stride}};
+    const TensorView* rows[] = {&a.dout, &a.dq, &a.dk, &a.dv};
+    for (int t = 0; t < 4; ++t) {
+      *strides[t][0] = 0;
+      *strides[t][1] = rows[t]->stride[0];
+      *strides[t][2] = rows[t]->stride[1];
+    }
+  }
+  b.accum_rows = static_cast<int>(p.seqlen_q);  // (the maximum, for packed sequences)
   b.dbias = plan.dbias;
   if (a.dbias) {
     const TensorView& d = *a.dbias;
@@ -668,9 +684,6 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
-    if (p.packed && pass == Pass::backward) {
-      return std::string("runs packed sequences forward only yet (the torch front pads them into a batch)");
-    }
     if (p.cached) return std::string("runs no KV caches yet (the torch front gathers their pages)");
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);

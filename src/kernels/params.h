@@ -155,6 +155,9 @@ struct BackwardParams {
   float* dsum = nullptr;
   float* dq_accum = nullptr;
   int dq_slots = 1;
+  // The rows per (batch, head) of dsum and dq_accum: Sq, or for packed sequences the longest's
+  // (fwd.seqlen_q is then the kernels' own sequence's: for_sequence in sequences.h).
+  int accum_rows = 0;
   // The gather path's CTAs take two query heads of a KV head (the host decides: gather_backward_pairs
   // in cuda_backend.cpp). sm80/bwd_kernel.h runs it at the head dims gather_backward_pairs_heads_at
   // names; the sm90a gather backward (sm90/bwd_gather_kernel.h) runs only paired heads.

@@ -91,7 +91,7 @@ __device__ __forceinline__ void for_each_query_tile(const BackwardParams& p, int
 __device__ __forceinline__ float* dq_accum_rows(const BackwardParams& p, int b, int h, int split) {
   const ForwardParams& f = p.fwd;
   return p.dq_accum + ((std::int64_t(p.deterministic ? split : 0) * f.batch + b) * f.heads + h) *
-                          std::int64_t(f.seqlen_q) * f.head_dim;
+                          std::int64_t(p.accum_rows) * f.head_dim;
 }
 
 // Launches a backward kernel of Traits for `p` over that grid on `stream`, with the dynamic shared

@@ -45,7 +45,7 @@ struct BackwardRowStats {
       const int existing = min(i, f.seqlen_q - 1);
       exists[r] = i < f.seqlen_q;
       lse[r] = f.lse[b * f.lse_batch_stride + h * f.lse_head_stride + existing];
-      dsum[r] = p.dsum[(std::int64_t(b) * f.heads + h) * f.seqlen_q + existing];
+      dsum[r] = p.dsum[(std::int64_t(b) * f.heads + h) * p.accum_rows + existing];
     }
   }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/common/rounding_store.h"
+#include "kernels/common/sequences.h"
 
 namespace flash_dmattn::kernels {
 namespace {
@@ -20,17 +21,21 @@ unsigned blocks_for(std::int64_t items, int per_block) {
   return static_cast<unsigned>(std::max<std::int64_t>(1, (items + per_block - 1) / per_block));
 }
 
-// One warp per (b, h, i) row: lanes stride over the head dim, then a butterfly sum.
+// One warp per (b, h, i) row of the workspace's layout (accum_rows rows per batch and head): lanes
+// stride over the head dim, then a butterfly sum. Rows past a packed sequence's length are left.
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) dsum_kernel(const __grid_constant__ BackwardParams p) {
   const ForwardParams& f = p.fwd;
-  const std::int64_t rows = std::int64_t(f.batch) * f.heads * f.seqlen_q;
+  const std::int64_t rows = std::int64_t(f.batch) * f.heads * p.accum_rows;
   const std::int64_t row = std::int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
-  const int i = static_cast<int>(row % f.seqlen_q), h = static_cast<int>(row / f.seqlen_q % f.heads);
-  const int b = static_cast<int>(row / (std::int64_t(f.seqlen_q) * f.heads));
-  const auto* o = static_cast<const Element*>(f.out) + b * f.out_batch_stride + i * f.out_row_stride + h * f.out_head_stride;
-  const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + i * p.dout_row_stride +
+  const int i = static_cast<int>(row % p.accum_rows), h = static_cast<int>(row / p.accum_rows % f.heads);
+  const int b = static_cast<int>(row / (std::int64_t(p.accum_rows) * f.heads));
+  const QueryRow q = query_row(f, b, i);
+  if (!q.exists) return;
+  const auto* o = static_cast<const Element*>(f.out) + b * f.out_batch_stride + q.row * f.out_row_stride +
+                  h * f.out_head_stride;
+  const auto* d = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + q.row * p.dout_row_stride +
                   h * p.dout_head_stride;
   float sum = 0.f;
   for (int c = threadIdx.x % 32; c < f.head_dim; c += 32) sum += to_float(o[c]) * to_float(d[c]);
@@ -42,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) dsum_kernel(const __grid_constant__ 
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) reduce_dq_kernel(const __grid_constant__ BackwardParams p) {
   const ForwardParams& f = p.fwd;
-  const std::int64_t slot_stride = std::int64_t(f.batch) * f.heads * f.seqlen_q * f.head_dim;
+  const std::int64_t slot_stride = std::int64_t(f.batch) * f.heads * p.accum_rows * f.head_dim;
   const std::int64_t e = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= slot_stride) return;
   float sum = 0.f;
@@ -50,9 +55,11 @@ __global__ void __launch_bounds__(kThreads) reduce_dq_kernel(const __grid_consta
   // accum layout (b, h, i, d)
   const int d = static_cast<int>(e % f.head_dim);
   const std::int64_t row = e / f.head_dim;
-  const int i = static_cast<int>(row % f.seqlen_q), h = static_cast<int>(row / f.seqlen_q % f.heads);
-  const int b = static_cast<int>(row / (std::int64_t(f.seqlen_q) * f.heads));
-  store_rounded(static_cast<Element*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + d,
+  const int i = static_cast<int>(row % p.accum_rows), h = static_cast<int>(row / p.accum_rows % f.heads);
+  const int b = static_cast<int>(row / (std::int64_t(p.accum_rows) * f.heads));
+  const QueryRow q = query_row(f, b, i);
+  if (!q.exists) return;
+  store_rounded(static_cast<Element*>(p.dq) + b * p.dq_batch_stride + q.row * p.dq_row_stride + h * p.dq_head_stride + d,
         sum * f.scale);
 }
 
@@ -91,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) reduce_bias_grad_kernel(const __grid
 }  // namespace
 
 cudaError_t compute_dsum(const BackwardParams& p, cudaStream_t stream) {
-  const std::int64_t rows = std::int64_t(p.fwd.batch) * p.fwd.heads * p.fwd.seqlen_q;
+  const std::int64_t rows = std::int64_t(p.fwd.batch) * p.fwd.heads * p.accum_rows;
   if (rows == 0) return cudaSuccess;
   const unsigned grid = blocks_for(rows, kThreads / 32);
   if (p.fwd.element == ElementType::bfloat16) {
@@ -103,7 +110,7 @@ cudaError_t compute_dsum(const BackwardParams& p, cudaStream_t stream) {
 }
 
 cudaError_t reduce_dq(const BackwardParams& p, cudaStream_t stream) {
-  const std::int64_t n = std::int64_t(p.fwd.batch) * p.fwd.heads * p.fwd.seqlen_q * p.fwd.head_dim;
+  const std::int64_t n = std::int64_t(p.fwd.batch) * p.fwd.heads * p.accum_rows * p.fwd.head_dim;
   if (n == 0) return cudaSuccess;
   if (p.fwd.element == ElementType::bfloat16) {
     reduce_dq_kernel<__nv_bfloat16><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p);

@@ -8,6 +8,9 @@
 
 namespace flash_dmattn::kernels {
 
+// q, k, v, out and their gradients are fp16 or bf16 (validate.cpp).
+constexpr std::int64_t kElementBytes = 2;
+
 // The params of batch b as the main loops read them: for packed sequences (whose batch strides
 // the host sets to 0, so the loops' b·stride adds nothing), q, k, v, out and lse advanced to the
 // sequence's first rows, and its own lengths, while mask, bias and their summary keep indexing batch b of
@@ -22,12 +25,38 @@ __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& param
   // lengths are clamped to them (the torch front checks the offsets).
   p.seqlen_q = static_cast<int>(min(std::int64_t(params.cu_seqlens_q[b + 1]) - q0, std::int64_t(params.seqlen_q)));
   p.seqlen_k = static_cast<int>(min(std::int64_t(params.cu_seqlens_k[b + 1]) - k0, std::int64_t(params.seqlen_k)));
-  constexpr std::int64_t kBytes = 2;  // q, k, v and out are fp16 or bf16 (validate.cpp)
-  p.q = static_cast<const char*>(params.q) + kBytes * q0 * params.q_row_stride;
-  p.k = static_cast<const char*>(params.k) + kBytes * k0 * params.k_row_stride;
-  p.v = static_cast<const char*>(params.v) + kBytes * k0 * params.v_row_stride;
-  p.out = static_cast<char*>(params.out) + kBytes * q0 * params.out_row_stride;
+  p.q = static_cast<const char*>(params.q) + kElementBytes * q0 * params.q_row_stride;
+  p.k = static_cast<const char*>(params.k) + kElementBytes * k0 * params.k_row_stride;
+  p.v = static_cast<const char*>(params.v) + kElementBytes * k0 * params.v_row_stride;
+  p.out = static_cast<char*>(params.out) + kElementBytes * q0 * params.out_row_stride;
   p.lse = params.lse + q0;  // lse: (H, total_q), rows contiguous
+  return p;
+}
+
+// Where query i of batch b lies in q (and out, dO, dQ), and whether it exists: row i of batch b,
+// or for packed sequences the sequence's first row plus i, below the sequence's length.
+struct QueryRow {
+  std::int64_t row;
+  bool exists;
+};
+__device__ __forceinline__ QueryRow query_row(const ForwardParams& f, int b, int i) {
+  if (f.cu_seqlens_q == nullptr) return {i, i < f.seqlen_q};
+  const std::int64_t q0 = f.cu_seqlens_q[b], length = f.cu_seqlens_q[b + 1] - q0;
+  return {q0 + i, i < length && i < f.seqlen_q};
+}
+
+// The backward's params of batch b: the forward's as above, and dO, dQ, dK and dV at the
+// sequence's first rows. The workspace (dsum, dq_accum and the dbias accumulators) keeps the
+// padded layout (batch b, accum_rows rows), which the lengths index from the sequence's start.
+__device__ __forceinline__ BackwardParams for_sequence(const BackwardParams& params, int b) {
+  BackwardParams p = params;
+  if (params.fwd.cu_seqlens_q == nullptr) return p;
+  p.fwd = for_sequence(params.fwd, b);
+  const std::int64_t q0 = params.fwd.cu_seqlens_q[b], k0 = params.fwd.cu_seqlens_k[b];
+  p.dout = static_cast<const char*>(params.dout) + kElementBytes * q0 * params.dout_row_stride;
+  p.dq = static_cast<char*>(params.dq) + kElementBytes * q0 * params.dq_row_stride;
+  p.dk = static_cast<char*>(params.dk) + kElementBytes * k0 * params.dk_row_stride;
+  p.dv = static_cast<char*>(params.dv) + kElementBytes * k0 * params.dv_row_stride;
   return p;
 }
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/common/backward_grid.h"
+#include "kernels/common/sequences.h"
 #include "kernels/params.h"
 #include "kernels/sm80/bwd_gather_mainloop.h"
 #include "kernels/sm80/bwd_mainloop.h"
@@ -16,7 +17,11 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_kernel(const __grid_constant__ BackwardParams params) {
   extern __shared__ __align__(128) char smem[];
   for_each_key_tile<Traits::kBlockN>(params, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
-    backward_key_tile<Traits>(params, smem, n_block, kv_head, batch, split);
+    // The grid covers the longest sequence's key tiles; a shorter one's past its keys are skipped
+    // (their dBias elements come from the zeroed accumulators: the host reduces every packed call's).
+    const BackwardParams p = for_sequence(params, batch);
+    if (n_block * Traits::kBlockN >= p.fwd.seqlen_k) return;
+    backward_key_tile<Traits>(p, smem, n_block, kv_head, batch, split);
   });
 }
 
