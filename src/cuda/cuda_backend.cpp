@@ -117,6 +117,8 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
     f.lse_head_stride = a.lse.stride[0];
     f.cu_seqlens_q = static_cast<const int*>(a.sequences->cu_seqlens_q.data);
     f.cu_seqlens_k = static_cast<const int*>(a.sequences->cu_seqlens_k.data);
+    f.total_q = static_cast<int>(a.q.shape[0]);
+    f.total_k = static_cast<int>(a.k.shape[0]);
   }
   if (a.mask) f.mask = broadcast_operand(*a.mask, p.heads);
   if (a.bias) f.bias = broadcast_operand(*a.bias, p.heads);
@@ -156,7 +158,8 @@ struct ForwardPlan {
 // Why the sm90a kernels cannot run a pass of a call, or nothing when they can.
 std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pass) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
-  if (p.packed) return std::string("does not run packed sequences yet");
+  // Packed sequences: the forward runs them (TMA addresses the packed tensors whole), no backward yet.
+  if (p.packed && pass == Pass::backward) return std::string("does not run packed sequences backward yet");
   const ElementType element = element_type(p.dtype);
   const int head_dim = static_cast<int>(p.head_dim);
   if (!(pass == Pass::forward ? kernels::sm90::has_forward(element, head_dim)

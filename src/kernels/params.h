@@ -90,6 +90,11 @@ struct ForwardParams {
   // a batch of equal lengths.
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
+  // Packed sequences on TMA: the rows of q (and out) and of k and v (set by the host), and the
+  // CTA's sequence's first row of each (set by for_sequence): TMA addresses the packed tensors
+  // whole, as batch 0, from those rows.
+  int total_q = 0, total_k = 0;
+  int q_row0 = 0, k_row0 = 0;
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;

@@ -24,6 +24,7 @@ struct PackedCase {
   std::int64_t H, Hk, D;
   OperandShape mask, bias;  // batch full; heads, rows and keys as given
   bool causal;
+  double softcap = 0.0;
 };
 
 // The sequences of a case, each a problem of its own (a batch of one), and the packed tensors
@@ -94,6 +95,7 @@ ForwardCase sequence_case(const PackedCase& c, std::int64_t b) {
   fc.mask = OperandShape{true, c.mask.heads, c.mask.query, true};
   fc.bias = OperandShape{true, c.bias.heads, c.bias.query, true};
   fc.causal = c.causal;
+  fc.softcap = c.softcap;
   return fc;
 }
 
@@ -113,6 +115,7 @@ struct PackedCall {
     args.out = out.view(), args.lse = lse.view();
     args.sequences = PackedSequences{cu_q.view(), cu_k.view(), p.max_q, p.max_k};
     args.options.causal = c.causal;
+    args.options.softcap = c.softcap;
     args.options.stream = stream;
   }
 
@@ -247,6 +250,10 @@ const auto kCases =
                                  {true, 4, false, true}, true},
                       PackedCase{{200, 33}, {64, 300}, 2, 2, 128, {true, 1, true, true}, {true, 2, true, true}, false},
                       PackedCase{{17, 17, 17}, {17, 17, 17}, 8, 1, 64, {true, 8, false, true}, {true, 1, true, true},
+                                 true, 5.0},
+                      // A bias row per (batch, head) of max_k = 136 keys: the sm90a TMA forward stages it by
+                      // bulk copies, whose sizes a sequence's key count (100, 45) must not break.
+                      PackedCase{{77, 20, 131}, {100, 131, 45}, 4, 2, 64, {true, 2, true, true}, {true, 2, false, true},
                                  true});
 
 INSTANTIATE_TEST_SUITE_P(Cases, PackedSequencesForward, kCases);

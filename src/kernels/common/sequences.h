@@ -30,6 +30,8 @@ __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& param
   p.v = static_cast<const char*>(params.v) + kElementBytes * k0 * params.v_row_stride;
   p.out = static_cast<char*>(params.out) + kElementBytes * q0 * params.out_row_stride;
   p.lse = params.lse + q0;  // lse: (H, total_q), rows contiguous
+  p.q_row0 = static_cast<int>(q0);
+  p.k_row0 = static_cast<int>(k0);
   return p;
 }
 

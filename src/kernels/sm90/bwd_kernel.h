@@ -74,6 +74,9 @@ cudaError_t run_key_tiles(const BackwardParams& params, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
+  // Packed sequences are not rebased here (no for_sequence; descriptors of one batch per
+  // sequence): the host never sends them (sm90a_unavailable), and this keeps it so.
+  if (params.fwd.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
   if constexpr (has_dq_kernel(kHeadDim)) {
     if (params.separate_dq) {
       const cudaError_t status = run_key_tiles<BackwardTraits<Element, kHeadDim, DqBy::dq_kernel>>(params, stream);

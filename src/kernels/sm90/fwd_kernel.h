@@ -10,6 +10,7 @@
 
 #include "kernels/common/forward_grid.h"
 #include "kernels/common/launch.h"
+#include "kernels/common/sequences.h"
 #include "kernels/params.h"
 #include "kernels/sm90/fwd_gather_warp_specialized.h"
 #include "kernels/sm90/fwd_mainloop.h"
@@ -23,7 +24,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __g
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
-  forward_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+  // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
+  const ForwardParams p = for_sequence(params, cta.batch);
+  if (cta.m_block * Traits::kBlockM >= p.seqlen_q * p.pack_group) return;
+  forward_tile<Traits>(p, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
 template <typename Traits>
@@ -31,7 +35,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_tma_kernel(const __grid_constant__ ForwardTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
   const ForwardCta cta = forward_cta(params.p, Traits::kBlockM);
-  forward_tile_warp_specialized<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
+  // As forward_kernel; TMA reads the sequence's rows from p.q_row0 and p.k_row0.
+  const ForwardParams p = for_sequence(params.p, cta.batch);
+  if (cta.m_block * Traits::kBlockM >= p.seqlen_q * p.pack_group) return;
+  forward_tile_warp_specialized<Traits>(params, p, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
 
 // Whether the producer can bulk-copy a tile's bias values (see ForwardTmaParams::stage_bias): 16-bit
@@ -56,11 +63,11 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   const ForwardTmaParams<Traits> tma_params{
       params,
       make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(operands.q, params.head_dim,
-                                                                                      params.batch),
+                                                                                      tma_batches(params)),
       make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutK{})), Traits::kBlockN, kHeadDim>(
-          operands.k, params.head_dim, params.batch),
+          operands.k, params.head_dim, tma_batches(params)),
       make_tma_rows<Element, decltype(take<0, 2>(typename Traits::SmemLayoutV{})), Traits::kBlockN, kHeadDim>(
-          operands.v, params.head_dim, params.batch),
+          operands.v, params.head_dim, tma_batches(params)),
       stageable_bias(params.bias, params.seqlen_k)};
   return launch_query_tiles<Traits::kSmemBytes>(&forward_tma_kernel<Traits>, tma_params, params, Traits::kBlockM,
                                                  Traits::kNThreads, stream);

@@ -132,10 +132,10 @@ __device__ __forceinline__ void consume_tiles(const ForwardParams& p, bool stage
 }
 
 template <typename Traits>
-__device__ __forceinline__ void forward_tile_warp_specialized(const ForwardTmaParams<Traits>& params, char* smem,
-                                                              int m_block, int h, int b, int split) {
+__device__ __forceinline__ void forward_tile_warp_specialized(const ForwardTmaParams<Traits>& params,
+                                                              const ForwardParams& p, char* smem, int m_block, int h,
+                                                              int b, int split) {
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
-  const ForwardParams& p = params.p;
   const std::uint32_t bias_bytes = params.stage_bias ? Traits::kBlockN * sizeof(std::uint16_t) : 0;
   run_warp_specialized<Traits>(
       storage, bias_bytes,

@@ -50,10 +50,15 @@ struct QkvOperands {
   bool addressable() const { return tma_addressable(q) && tma_addressable(k) && tma_addressable(v); }
 };
 
+// The batches TMA sees: packed sequences are one batch of all their rows.
+inline int tma_batches(const ForwardParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
+
 inline QkvOperands qkv_operands(const ForwardParams& p) {
-  return {tma_operand(p.q, p.seqlen_q, p.heads, p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.head_dim, p.batch),
-          tma_operand(p.k, p.seqlen_k, p.kv_heads, p.k_row_stride, p.k_head_stride, p.k_batch_stride, p.head_dim, p.batch),
-          tma_operand(p.v, p.seqlen_k, p.kv_heads, p.v_row_stride, p.v_head_stride, p.v_batch_stride, p.head_dim, p.batch)};
+  const int batch = tma_batches(p);
+  const int rows_q = p.cu_seqlens_q ? p.total_q : p.seqlen_q, rows_k = p.cu_seqlens_q ? p.total_k : p.seqlen_k;
+  return {tma_operand(p.q, rows_q, p.heads, p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.head_dim, batch),
+          tma_operand(p.k, rows_k, p.kv_heads, p.k_row_stride, p.k_head_stride, p.k_batch_stride, p.head_dim, batch),
+          tma_operand(p.v, rows_k, p.kv_heads, p.v_row_stride, p.v_head_stride, p.v_batch_stride, p.head_dim, batch)};
 }
 
 // dO of a backward, as TMA sees it.

@@ -62,14 +62,18 @@ struct KvLoadSource {
   const std::uint16_t* bias_row;
 };
 
-// One TMA load of query tile m_block of head h and batch b of a (B, Sq, H, D) tensor (Q or dO)
-// into `smem`, laid out as SmemLayout, on barrier `loaded`.
+// One TMA load of query tile m_block of head h and batch b of a (B, Sq, H, D) tensor (Q or dO),
+// or of packed sequences' (total_q, H, D) from the sequence's row q_row0, into `smem`, laid out
+// as SmemLayout, on barrier `loaded`.
 template <typename SmemLayout, int kBlockM, int kHeadDim, typename Tma, typename Element>
 __device__ __forceinline__ void load_query_tile(const Tma& tma, const ForwardParams& p, Element* smem,
                                                 std::uint64_t& loaded, int m_block, int h, int b) {
   using namespace cute;
-  Tensor m = tma.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
-  Tensor g = local_tile(m(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+  // Packed sequences: the packed rows as batch 0, the sequence's from q_row0 (for_sequence).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  Tensor m = tma.get_tma_tensor(make_shape(packed ? p.total_q : p.seqlen_q, p.head_dim, p.heads, packed ? 1 : p.batch));
+  Tensor g = local_tile(domain_offset(make_coord(p.q_row0, _0{}), m(_, _, h, packed ? 0 : b)),
+                        Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
   Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
   auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
   copy(tma.with(loaded, 0), tg, ts);
@@ -94,10 +98,14 @@ __device__ __forceinline__ void produce_tiles(const ForwardParams& p, const KvLo
   int n_block = tiles.first();
   if (n_block < 0) return;
 
-  Tensor mK = source.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.kv_heads, p.batch));
-  Tensor mV = source.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.kv_heads, p.batch));
-  Tensor gK = local_tile(mK(_, _, kv_h, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-  Tensor gV = local_tile(mV(_, _, kv_h, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+  const bool packed = p.cu_seqlens_q != nullptr;  // (as in load_query_tile, from k_row0)
+  const int rows_k = packed ? p.total_k : p.seqlen_k, batches = packed ? 1 : p.batch, tma_b = packed ? 0 : b;
+  Tensor mK = source.k.get_tma_tensor(make_shape(rows_k, p.head_dim, p.kv_heads, batches));
+  Tensor mV = source.v.get_tma_tensor(make_shape(rows_k, p.head_dim, p.kv_heads, batches));
+  Tensor gK = local_tile(domain_offset(make_coord(p.k_row0, _0{}), mK(_, _, kv_h, tma_b)),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+  Tensor gV = local_tile(domain_offset(make_coord(p.k_row0, _0{}), mV(_, _, kv_h, tma_b)),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
   Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Traits::SmemLayoutV{});
   // Plain variables, not structured bindings: the loads below are lambdas that capture them.
@@ -117,8 +125,10 @@ __device__ __forceinline__ void produce_tiles(const ForwardParams& p, const KvLo
       copy(source.k.with(*loaded, 0), tKgK(_, n), tKsK(_, state_k.index()));
       if (source.bias_row) {
         // The last tile copies only the keys before Sk and completes the rest of the bytes its
-        // barrier expects itself; the consumers mask those keys.
-        const int keys = min(kBlockN, p.seqlen_k - n * kBlockN);
+        // barrier expects itself; the consumers mask those keys. A bulk copy moves whole 16 bytes:
+        // a packed sequence's Sk need not be a multiple of 8 keys, so its count is rounded up
+        // (inside the bias row, whose length, the maximum, is: stageable_bias).
+        const int keys = min(kBlockN, (p.seqlen_k - n * kBlockN + 7) / 8 * 8);
         SM90_BULK_COPY_G2S::copy(source.bias_row + n * kBlockN, loaded,
                                  storage.bias.data() + state_k.index() * kBlockN, keys * 2);
         if (keys < kBlockN) {
