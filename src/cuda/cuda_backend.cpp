@@ -158,8 +158,6 @@ struct ForwardPlan {
 // Why the sm90a kernels cannot run a pass of a call, or nothing when they can.
 std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pass) {
   if (arch != 90) return "needs an sm_90 GPU (H100, H200), the device is sm_" + std::to_string(arch);
-  // Packed sequences: the forward runs them (TMA addresses the packed tensors whole), no backward yet.
-  if (p.packed && pass == Pass::backward) return std::string("does not run packed sequences backward yet");
   const ElementType element = element_type(p.dtype);
   const int head_dim = static_cast<int>(p.head_dim);
   if (!(pass == Pass::forward ? kernels::sm90::has_forward(element, head_dim)
@@ -452,6 +450,7 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
 bool dq_in_own_kernel(const BackwardArgs& a, const Problem& p) {
   using namespace kernels::sm90;
   if (!has_dq_kernel(static_cast<int>(p.head_dim))) return false;
+  if (p.packed) return false;  // the dQ kernel does not rebase its CTAs to their sequences
   const int head_dim = static_cast<int>(p.head_dim), batch = static_cast<int>(p.batch);
   for (const TensorView* t : {&a.q, &a.k, &a.v, &a.dout}) {
     const TmaOperand operand = tma_operand(t->data, static_cast<int>(t->shape[1]), static_cast<int>(t->shape[2]),

@@ -62,4 +62,23 @@ __device__ __forceinline__ BackwardParams for_sequence(const BackwardParams& par
   return p;
 }
 
+// A backward kernel of its own for each: a batched call's keeps reading its params where the launch
+// put them, while the rebased copy of a packed call's lives in local memory (ptxas, sm90a bf16 D64
+// key-tile backward: stack 160 -> 520 bytes had both shared one kernel).
+enum class Sequences { batched, packed };
+
+// body(p) on key tile n_block of batch b: p the call's params, or for packed sequences batch b's
+// (above), unless the tile lies past the sequence's keys (the grid covers the longest's; the
+// skipped tile's dBias elements come from the zeroed accumulators, which the host reduces for every
+// packed call).
+template <Sequences kSequences, int kBlockN, typename Body>
+__device__ __forceinline__ void for_sequence_key_tile(const BackwardParams& params, int b, int n_block, Body&& body) {
+  if constexpr (kSequences == Sequences::batched) {
+    body(params);
+  } else {
+    const BackwardParams p = for_sequence(params, b);
+    if (n_block * kBlockN < p.fwd.seqlen_k) body(p);
+  }
+}
+
 }  // namespace flash_dmattn::kernels

@@ -13,15 +13,14 @@
 
 namespace flash_dmattn::kernels::sm80 {
 
-template <typename Traits>
+template <typename Traits, Sequences kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_kernel(const __grid_constant__ BackwardParams params) {
   extern __shared__ __align__(128) char smem[];
   for_each_key_tile<Traits::kBlockN>(params, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
-    // The grid covers the longest sequence's key tiles; a shorter one's past its keys are skipped
-    // (their dBias elements come from the zeroed accumulators: the host reduces every packed call's).
-    const BackwardParams p = for_sequence(params, batch);
-    if (n_block * Traits::kBlockN >= p.fwd.seqlen_k) return;
-    backward_key_tile<Traits>(p, smem, n_block, kv_head, batch, split);
+    auto key_tile = [&](const BackwardParams& p) CUTLASS_LAMBDA_FUNC_INLINE {
+      backward_key_tile<Traits>(p, smem, n_block, kv_head, batch, split);
+    };
+    for_sequence_key_tile<kSequences, Traits::kBlockN>(params, batch, n_block, key_tile);
   });
 }
 
@@ -47,7 +46,11 @@ cudaError_t launch_gather_backward(const BackwardParams& params, cudaStream_t st
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
   using Traits = BackwardTraits<Element, kHeadDim>;
-  if (!params.fwd.lists.keys) return launch_backward<Traits>(&backward_kernel<Traits>, params, params, stream);
+  if (!params.fwd.lists.keys) {
+    const auto kernel = params.fwd.cu_seqlens_q ? &backward_kernel<Traits, Sequences::packed>
+                                                : &backward_kernel<Traits, Sequences::batched>;
+    return launch_backward<Traits>(kernel, params, params, stream);
+  }
   if constexpr (kHeadDim <= kMaxGatherBackwardHeadDim) {
     // Lists built for another tile would have their row bits read at the wrong places.
     if (params.fwd.lists.block_m != Traits::kBlockM || params.fwd.lists.block_n != Traits::kBlockN) {

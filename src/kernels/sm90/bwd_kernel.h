@@ -9,6 +9,7 @@
 #include "kernels/common/backward_grid.h"
 #include "kernels/common/forward_grid.h"
 #include "kernels/common/launch.h"
+#include "kernels/common/sequences.h"
 #include "kernels/params.h"
 #include "kernels/sm90/bwd_dq_mainloop.h"
 #include "kernels/sm90/bwd_mainloop.h"
@@ -18,7 +19,7 @@
 
 namespace flash_dmattn::kernels::sm90 {
 
-template <typename Traits>
+template <typename Traits, Sequences kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     backward_kernel(const __grid_constant__ BackwardKernelParams<Traits> params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
@@ -26,7 +27,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   QdOStages<Traits> q_do_stages(params, BackwardSmem<Traits>(smem).q_do_loaded);
   q_do_stages.init();  // the first key tile's barrier makes it visible before any load
   for_each_key_tile<Traits::kBlockN>(params.p, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
-    backward_key_tile<Traits>(params.p, q_do_stages, smem, n_block, kv_head, batch, split);
+    auto key_tile = [&](const BackwardParams& p) CUTLASS_LAMBDA_FUNC_INLINE {
+      backward_key_tile<Traits>(p, q_do_stages, smem, n_block, kv_head, batch, split);
+    };
+    for_sequence_key_tile<kSequences, Traits::kBlockN>(params.p, batch, n_block, key_tile);
   });
 }
 
@@ -66,17 +70,21 @@ cudaError_t run_key_tiles(const BackwardParams& params, cudaStream_t stream) {
   BackwardKernelParams<Traits> args{params, {}, {}, tma_addressable(q) && tma_addressable(dout)};
   if (args.tma) {
     using SmemStage = decltype(cute::take<0, 2>(typename Traits::SmemLayoutQ{}));
-    args.q = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(q, f.head_dim, f.batch);
-    args.dout = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(dout, f.head_dim, f.batch);
+    args.q = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(q, f.head_dim, tma_batches(f));
+    args.dout = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(dout, f.head_dim, tma_batches(f));
   }
-  return launch_backward<Traits>(&backward_kernel<Traits>, args, params, stream);
+  if constexpr (Traits::kDqBy == DqBy::key_tiles) {  // (packed calls have no dQ kernel: run_backward)
+    if (params.fwd.cu_seqlens_q) {
+      return launch_backward<Traits>(&backward_kernel<Traits, Sequences::packed>, args, params, stream);
+    }
+  }
+  return launch_backward<Traits>(&backward_kernel<Traits, Sequences::batched>, args, params, stream);
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
-  // Packed sequences are not rebased here (no for_sequence; descriptors of one batch per
-  // sequence): the host never sends them (sm90a_unavailable), and this keeps it so.
-  if (params.fwd.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
+  // The dQ kernel does not rebase its CTAs to packed sequences (the host plans none for them).
+  if (params.separate_dq && params.fwd.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
   if constexpr (has_dq_kernel(kHeadDim)) {
     if (params.separate_dq) {
       const cudaError_t status = run_key_tiles<BackwardTraits<Element, kHeadDim, DqBy::dq_kernel>>(params, stream);

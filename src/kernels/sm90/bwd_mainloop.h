@@ -75,7 +75,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
   auto load_q_do = [&](int head, int m_block, int stage) CUTLASS_LAMBDA_FUNC_INLINE {
     const BackwardSmem<Traits> at(opaque(smem));
     if (q_do_stages.tma()) {
-      q_do_stages.load(b, head, m_block, stage, at.q, at.dout);
+      q_do_stages.load(f, b, head, m_block, stage, at.q, at.dout);
       return;
     }
     Tensor tQsQ = gmem_thr.partition_D(as_position_independent_swizzle_tensor(

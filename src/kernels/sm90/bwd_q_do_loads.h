@@ -40,18 +40,22 @@ class QdOStages {
   }
 
   // Q and dO of query tile m_block of head h into `stage`, whose previous contents every reader is
-  // done with. Thread 0 only.
-  __device__ __forceinline__ void load(int b, int h, int m_block, int stage, typename Traits::Element* q,
-                                       typename Traits::Element* dout) const {
+  // done with; `f` is the CTA's params (for packed sequences rebased to batch b's: for_sequence,
+  // whose q_row0 offsets the tiles in the packed tensors, which TMA addresses as one batch).
+  // Thread 0 only.
+  __device__ __forceinline__ void load(const ForwardParams& f, int b, int h, int m_block, int stage,
+                                       typename Traits::Element* q, typename Traits::Element* dout) const {
     using namespace cute;
     constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
     if (threadIdx.x != 0) return;
-    const ForwardParams& f = params_.p.fwd;
     std::uint64_t& barrier = loaded_[stage];
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&barrier, kTileBytes * 2);
+    const bool packed = f.cu_seqlens_q != nullptr;
     auto issue = [&](const typename Traits::TmaQdO& tma, typename Traits::Element* smem) {
-      Tensor m = tma.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.heads, f.batch));
-      Tensor g = local_tile(m(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor m = tma.get_tma_tensor(
+          make_shape(packed ? f.total_q : f.seqlen_q, f.head_dim, f.heads, packed ? 1 : f.batch));
+      Tensor g = local_tile(domain_offset(make_coord(f.q_row0, _0{}), m(_, _, h, packed ? 0 : b)),
+                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       copy(tma.with(barrier, 0), tg(_, m_block), ts(_, stage));

@@ -64,8 +64,8 @@ inline QkvOperands qkv_operands(const ForwardParams& p) {
 // dO of a backward, as TMA sees it.
 inline TmaOperand dout_operand(const BackwardParams& p) {
   const ForwardParams& f = p.fwd;
-  return tma_operand(p.dout, f.seqlen_q, f.heads, p.dout_row_stride, p.dout_head_stride, p.dout_batch_stride,
-                     f.head_dim, f.batch);
+  return tma_operand(p.dout, f.cu_seqlens_q ? f.total_q : f.seqlen_q, f.heads, p.dout_row_stride,
+                     p.dout_head_stride, p.dout_batch_stride, f.head_dim, tma_batches(f));
 }
 
 }  // namespace flash_dmattn::kernels::sm90
