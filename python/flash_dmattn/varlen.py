@@ -4,17 +4,22 @@ q, k and v hold the tokens of B sequences back to back, as FlashAttention's varl
 mask and bias address (sequence, head, query position, key position) with positions counted from
 each sequence's start (docs/semantics.md §11).
 
-This first version runs the dense kernels on a padded batch: every sequence is padded at the front
-to the maxima, so that the kernels' bottom-right causal alignment is each sequence's own. The keys
-in front are hidden by a key mask, and the query rows in front are dropped. The mask and bias views
-are shifted to match. The padding costs what the padded batch costs. Kernels that read the packed
-layout directly are to replace it behind the same call.
+Eager calls go to the kernels as packed sequences (attention.h PackedSequences), where the backend
+takes them (the CPU reference, and on CUDA the kernels that read the offsets: docs/semantics.md
+§11); on CUDA, only calls that need no gradient for now (_PACKED_GRADIENTS_ON_CUDA). Other calls
+(torch.compile, tensor subclasses, and calls the backend refuses) run the dense
+kernels on a padded batch: every sequence is padded at the front to the maxima, so that the
+kernels' bottom-right causal alignment is each sequence's own. The keys in front are hidden by a
+key mask, and the query rows in front are dropped. The mask and bias views are shifted to match.
+The padding costs what the padded batch costs.
 """
 import weakref
 
 import torch
 
-from .interface import _unpacked, flash_dmattn_func
+from . import _C, torch_ops
+from .interface import (_autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands,
+                        _unpacked, flash_dmattn_func)
 
 
 def _fail_varlen(error, argument: str, message: str):
@@ -103,6 +108,88 @@ def _shift(t, dim: int, front: torch.Tensor):
     return gather_positions(t, dim, (torch.arange(width, device=front.device)[None, :] - front[:, None]).clamp(min=0))
 
 
+class _PackedAttention(torch.autograd.Function):
+    """Forward and backward of packed sequences through the module, without padding: (out, lse)
+    with lse (H, total_q). Raises NotImplementedError where the backend refuses the forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, cu_q, cu_k, max_q, max_k, scale, causal, softcap, deterministic):
+        head_dim = q.size(-1)
+        scale = head_dim ** -0.5 if scale is None else scale
+        if head_dim % torch_ops._HEAD_DIM_MULTIPLE:
+            q, k, v = torch_ops._padded(q), torch_ops._padded(k), torch_ops._padded(v)
+        out = torch_ops._empty_like(q)
+        lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
+
+        def args_of(q, k, v):
+            args = _C.forward_args(q, k, v, out, lse, mask, None, bias, scale, causal, softcap, torch_ops._stream(q),
+                                   None)
+            _C.set_sequences(args, cu_q, cu_k, max_q, max_k)
+            return args
+
+        args = args_of(q, k, v)
+        if q.is_cuda and not args.rows_aligned:
+            q, k, v = torch_ops._rows_aligned(q), torch_ops._rows_aligned(k), torch_ops._rows_aligned(v)
+            args = args_of(q, k, v)
+        torch_ops._run(_C.forward, _C.forward_workspace_size, args, q.device)
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse, cu_q, cu_k)
+        ctx.options = (max_q, max_k, scale, causal, softcap, deterministic, head_dim)
+        ctx.set_materialize_grads(False)
+        return torch_ops._unpadded(out, head_dim), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # out took no part in the loss (lse is not differentiable)
+            return (None,) * len(ctx.needs_input_grad)
+        q, k, v, mask, bias, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, causal, softcap, deterministic, head_dim = ctx.options
+        dout = torch_ops._padded(dout) if head_dim % torch_ops._HEAD_DIM_MULTIPLE else dout
+        dout = dout.contiguous()
+        dq, dk, dv = torch_ops._empty_like(q), torch_ops._empty_like(k), torch_ops._empty_like(v)
+        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) \
+            if bias is not None and ctx.needs_input_grad[4] else None
+        args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, None, bias, dbias, scale, causal, softcap,
+                                deterministic, torch_ops._stream(q), None)
+        _C.set_sequences(args, cu_q, cu_k, max_q, max_k)
+        torch_ops._run(_C.backward, _C.backward_workspace_size, args, q.device)
+        return (torch_ops._unpadded(dq, head_dim), torch_ops._unpadded(dk, head_dim), torch_ops._unpadded(dv, head_dim),
+                None, dbias) + (None,) * 8
+
+
+# Whether CUDA calls that need gradients run packed. Not yet: on an H200 the packed backward of the
+# benchmark's serving case (8 sequences of 512 to 8192 tokens, D128, causal) took 14.5 ms against
+# 8.1 for the padded batch, while the packed forward took 1.59 against 1.69 ms and half the memory
+# (docs/architecture.md). Such calls run padded, forward and backward, until it is faster.
+_PACKED_GRADIENTS_ON_CUDA = False
+
+
+def _run_packed(query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                is_causal, softcap, deterministic):
+    """(out, lse) of the packed sequences as they are, or None where they take the padded batch:
+    under torch.compile or on tensor subclasses, where the backend refuses them, and on CUDA
+    where gradients are needed (_PACKED_GRADIENTS_ON_CUDA)."""
+    operands = (query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k)
+    if not torch_ops._plain_eager(operands):
+        return None
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
+    if query.is_cuda and needs_grad and not _PACKED_GRADIENTS_ON_CUDA:
+        return None
+    # The checks flash_dmattn_func makes on the padded batch, on one-batch views of the tokens.
+    query, key, value, bias = _autocast(query, key, value, bias)
+    _check_operands(query[None], key[None], value[None], None, None, None)
+    _check_mask_bias_types(query, mask, bias)
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    softcap = 0.0 if softcap is None else float(softcap)
+    _check_options(softmax_scale, softcap)
+    mask, bias = _kernel_operands(mask, bias)
+    cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32) for t in (cu_seqlens_q, cu_seqlens_k))
+    try:
+        return _PackedAttention.apply(query, key, value, mask, bias, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale, bool(is_causal), softcap, bool(deterministic))
+    except NotImplementedError:  # (refused before any launch: the padded batch runs instead)
+        return None
+
+
 def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              attn_mask=None, attn_bias=None, softmax_scale=None, is_causal=None, softcap=None,
                              deterministic=None, return_attn_probs=None):
@@ -115,7 +202,7 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
         max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths (the padded sizes).
         attn_mask: optional bool (B|1, H|Hk|1, max_seqlen_q|1, max_seqlen_k|1): element (b, h, i, j)
             is query i and key j of sequence b, counted from the sequence's start; positions past a
-            sequence's lengths are not read. Or bit-packed (pack_mask), unpacked here for now.
+            sequence's lengths are not read. Or bit-packed (pack_mask).
         attn_bias: optional bias of the same layout; its gradient comes back in its shape (zero at
             the positions that no sequence reads).
         is_causal: bottom-right aligned per sequence: query i of sequence b sees keys
@@ -140,6 +227,21 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
     _check_offsets([("cu_seqlens_q", cu_seqlens_q, lengths_q, total_q, max_seqlen_q),
                     ("cu_seqlens_k", cu_seqlens_k, lengths_k, total_k, max_seqlen_k)])
     batch = lengths_q.numel()
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        keys = (1, max_seqlen_k)
+        if name == "attn_mask" and isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+            keys = ((max_seqlen_k + 7) // 8,)  # bit-packed: 8 keys a byte, never broadcast
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.size(0) not in (1, batch) or
+                              t.size(2) not in (1, max_seqlen_q) or t.size(3) not in keys):
+            _fail_varlen(ValueError, name, f"expected (B|1 = {batch}, H|Hk|1, max_seqlen_q|1 = {max_seqlen_q}, "
+                                           f"max_seqlen_k|1 = {max_seqlen_k}, or ceil(max_seqlen_k / 8) for a "
+                                           f"bit-packed mask), got "
+                                           f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    packed = _run_packed(query, key, value, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, is_causal, softcap, deterministic)
+    if packed is not None:
+        return (packed[0], packed[1], None) if return_attn_probs else packed[0]
+
     rows_q, front_q = _front_padding(lengths_q.to(query.device), max_seqlen_q, total_q)
     rows_k, front_k = _front_padding(lengths_k.to(query.device), max_seqlen_k, total_k)
 
@@ -153,12 +255,6 @@ def flash_dmattn_varlen_func(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
     keys_kept = (torch.arange(max_seqlen_k, device=query.device)[None, :] >= front_k[:, None]).view(
         batch, 1, 1, max_seqlen_k)
     attn_mask = _unpacked(_fail_varlen, "attn_mask", attn_mask, max_seqlen_k)  # (shifted per sequence below)
-    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.size(0) not in (1, batch) or
-                              t.size(2) not in (1, max_seqlen_q) or t.size(3) not in (1, max_seqlen_k)):
-            _fail_varlen(ValueError, name, f"expected (B|1 = {batch}, H|Hk|1, max_seqlen_q|1 = {max_seqlen_q}, "
-                                           f"max_seqlen_k|1 = {max_seqlen_k}), got "
-                                           f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     mask = keys_kept
     if attn_mask is not None:
         mask = _shift(_shift(attn_mask, 2, front_q), 3, front_k) & keys_kept

@@ -223,6 +223,14 @@ void read_shared_tensors(Args& args, nb::handle q, nb::handle k, nb::handle v, n
   args.bias = read_optional_tensor(bias, "bias");
 }
 
+// The offsets of packed sequences (torch tensors) on args: ForwardArgs or BackwardArgs.
+template <typename Args>
+void set_sequences(Args& args, nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, std::int64_t max_seqlen_q,
+                   std::int64_t max_seqlen_k) {
+  args.sequences = fd::PackedSequences{read_tensor(cu_seqlens_q, "cu_seqlens_q"),
+                                       read_tensor(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q, max_seqlen_k};
+}
+
 void translate_error(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
@@ -404,6 +412,13 @@ NB_MODULE(_C, m) {
       nb::arg("dbias").none(), nb::arg("softmax_scale").none(), nb::arg("causal"), nb::arg("softcap"),
       nb::arg("deterministic"), nb::arg("stream"), nb::arg("prepared_mask").none(), nb::keep_alive<0, 19>(),
       "BackwardArgs of torch tensors (register_dtypes first)");
+
+  // Packed sequences (attention.h PackedSequences) on args that forward_args or backward_args made.
+  m.def("set_sequences", &set_sequences<fd::ForwardArgs>, nb::arg("args"), nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+        "Makes a forward's args packed sequences (torch tensors, register_dtypes first)");
+  m.def("set_sequences", &set_sequences<fd::BackwardArgs>, nb::arg("args"), nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), "The same for a backward's args");
 
   m.def("rows_aligned", &rows_aligned, nb::arg("tensor"),
         "Whether a torch tensor's rows suit the CUDA kernels' 16-byte loads (register_dtypes first)");

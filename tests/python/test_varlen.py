@@ -43,6 +43,7 @@ def _per_sequence(q, k, v, mask, bias, lengths_q, lengths_k, dout, is_causal, so
     return torch.cat(outs), grads
 
 
+@pytest.mark.parametrize("path", ["packed", "padded"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shapes", [
@@ -51,7 +52,17 @@ def _per_sequence(q, k, v, mask, bias, lengths_q, lengths_k, dout, is_causal, so
     ("1,1,1,K", "B,Hk,1,K"),
     ("B,1,Q,1", "1,1,Q,K"),
 ])
-def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes):
+def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes, path, monkeypatch):
+    """Both ways through the call: the packed sequences as they are (where the backend takes them;
+    the test fails if it refused) and the padded batch."""
+    import flash_dmattn.varlen as varlen
+    runs = []
+    if path == "padded":
+        monkeypatch.setattr(varlen, "_run_packed", lambda *args: None)
+    else:
+        monkeypatch.setattr(varlen, "_PACKED_GRADIENTS_ON_CUDA", True)  # (the kernels' packed backward too)
+        run_packed = varlen._run_packed
+        monkeypatch.setattr(varlen, "_run_packed", lambda *args: runs.append(run_packed(*args)) or runs[-1])
     generator = torch.Generator().manual_seed(7)
     lengths_q, lengths_k = [5, 0, 1, 13, 8], [7, 3, 1, 13, 4]
     H, Hk, D = 4, 2, 24
@@ -82,6 +93,7 @@ def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes):
             pytest.skip(str(error))
         raise
     assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    assert path == "padded" or runs[-1] is not None, "the backend refused the packed sequences"
     wrt = leaves + ([bias_leaf] if bias_leaf is not None else [])
     grads = torch.autograd.grad(out, wrt, dout)
     ref_out, ref_grads = _per_sequence(q, k, v, mask, bias, lengths_q, lengths_k, dout, is_causal, 0.0, True)
