@@ -104,8 +104,8 @@ struct PreparedMask {
 // device, rising from 0 to total_q and total_k. On the CPU their values are checked before any
 // work (invalid_argument naming the offsets); CUDA backends cannot read them without waiting for
 // the device and trust them (a sequence longer than the maxima is cut to them). On CUDA the sm80
-// and sm90a tile kernels run packed calls, forward and backward (not the gather path, nor the
-// sm90a dQ kernel); the torch front hands eager calls over packed where they need no gradient.
+// and sm90a tile kernels run packed calls, forward and backward (not the gather path); the torch
+// front hands eager calls over packed where they need no gradient.
 struct PackedSequences {
   TensorView cu_seqlens_q, cu_seqlens_k;
   std::int64_t max_seqlen_q = 0, max_seqlen_k = 0;  // at least every sequence's length; size mask and bias

@@ -450,11 +450,13 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
 bool dq_in_own_kernel(const BackwardArgs& a, const Problem& p) {
   using namespace kernels::sm90;
   if (!has_dq_kernel(static_cast<int>(p.head_dim))) return false;
-  if (p.packed) return false;  // the dQ kernel does not rebase its CTAs to their sequences
-  const int head_dim = static_cast<int>(p.head_dim), batch = static_cast<int>(p.batch);
+  const int head_dim = static_cast<int>(p.head_dim);
   for (const TensorView* t : {&a.q, &a.k, &a.v, &a.dout}) {
-    const TmaOperand operand = tma_operand(t->data, static_cast<int>(t->shape[1]), static_cast<int>(t->shape[2]),
-                                           t->stride[1], t->stride[2], t->stride[0], head_dim, batch);
+    // Packed sequences, (total, heads, D): TMA addresses them as one batch (tma_batches).
+    const int row = p.packed ? 0 : 1;
+    const TmaOperand operand =
+        tma_operand(t->data, static_cast<int>(t->shape[row]), static_cast<int>(t->shape[row + 1]), t->stride[row],
+                    t->stride[row + 1], p.packed ? 0 : t->stride[0], head_dim, p.packed ? 1 : static_cast<int>(p.batch));
     if (!tma_addressable(operand)) return false;
   }
   return true;

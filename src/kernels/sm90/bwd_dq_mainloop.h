@@ -117,10 +117,13 @@ __device__ __forceinline__ void consume_dq_tiles(const BackwardParams& p, typena
   store_rows<Element>(acc_dq, tdQcdQ, dq, p.dq_row_stride, f.seqlen_q - row0, f.head_dim, f.scale);
 }
 
+// `p`: the call's params, or for packed sequences batch b's (for_sequence), which the TMA loads
+// offset by (load_query_tile, produce_tiles).
 template <typename Traits>
-__device__ __forceinline__ void dq_tile(const DqTmaParams<Traits>& params, char* smem, int m_block, int h, int b) {
+__device__ __forceinline__ void dq_tile(const DqTmaParams<Traits>& params, const BackwardParams& p, char* smem,
+                                        int m_block, int h, int b) {
   auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
-  const ForwardParams& f = params.p.fwd;
+  const ForwardParams& f = p.fwd;
   run_warp_specialized<Traits>(
       storage, 0,
       [&](typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -136,7 +139,7 @@ __device__ __forceinline__ void dq_tile(const DqTmaParams<Traits>& params, char*
                                                  pipe_v, m_block, h, b, 0, load_q_do);
       },
       [&](typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v) CUTLASS_LAMBDA_FUNC_INLINE {
-        consume_dq_tiles<Traits>(params.p, storage, pipe_k, pipe_v, m_block, h, b);
+        consume_dq_tiles<Traits>(p, storage, pipe_k, pipe_v, m_block, h, b);
       });
 }
 

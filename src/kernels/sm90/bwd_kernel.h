@@ -34,11 +34,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   });
 }
 
-template <typename Traits>
+template <typename Traits, Sequences kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) dq_kernel(const __grid_constant__ DqTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
   const ForwardCta cta = forward_cta(params.p.fwd, Traits::kBlockM);
-  dq_tile<Traits>(params, smem, cta.m_block, cta.head, cta.batch);
+  if constexpr (kSequences == Sequences::batched) {
+    dq_tile<Traits>(params, params.p, smem, cta.m_block, cta.head, cta.batch);
+  } else {
+    // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
+    const BackwardParams p = for_sequence(params.p, cta.batch);
+    if (cta.m_block * Traits::kBlockM < p.fwd.seqlen_q) dq_tile<Traits>(params, p, smem, cta.m_block, cta.head, cta.batch);
+  }
 }
 
 template <typename Element, int kHeadDim>
@@ -50,14 +56,15 @@ cudaError_t run_dq(const BackwardParams& params, cudaStream_t stream) {
   const TmaOperand dout = dout_operand(params);
   // The host plans separate_dq only where TMA can address all four (dq_in_own_kernel in cuda_backend.cpp).
   if (!operands.addressable() || !tma_addressable(dout)) return cudaErrorInvalidValue;
+  const int batches = tma_batches(f);  // (packed sequences: one batch of all their rows)
   const DqTmaParams<Traits> args{
       params,
-      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(operands.q, f.head_dim, f.batch),
-      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(dout, f.head_dim, f.batch),
-      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.k, f.head_dim, f.batch),
-      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.v, f.head_dim, f.batch)};
-  return launch_query_tiles<Traits::kSmemBytes>(&dq_kernel<Traits>, args, f, Traits::kBlockM, Traits::kNThreads,
-                                                 stream);
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(operands.q, f.head_dim, batches),
+      make_tma_rows<Element, typename Traits::SmemLayoutQ, Traits::kBlockM, kHeadDim>(dout, f.head_dim, batches),
+      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.k, f.head_dim, batches),
+      make_tma_rows<Element, SmemTile, Traits::kBlockN, kHeadDim>(operands.v, f.head_dim, batches)};
+  const auto kernel = f.cu_seqlens_q ? &dq_kernel<Traits, Sequences::packed> : &dq_kernel<Traits, Sequences::batched>;
+  return launch_query_tiles<Traits::kSmemBytes>(kernel, args, f, Traits::kBlockM, Traits::kNThreads, stream);
 }
 
 // The key-tile kernel on the grid of one CTA per key tile (or key split).
@@ -73,18 +80,13 @@ cudaError_t run_key_tiles(const BackwardParams& params, cudaStream_t stream) {
     args.q = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(q, f.head_dim, tma_batches(f));
     args.dout = make_tma_rows<Element, SmemStage, Traits::kBlockM, kHeadDim>(dout, f.head_dim, tma_batches(f));
   }
-  if constexpr (Traits::kDqBy == DqBy::key_tiles) {  // (packed calls have no dQ kernel: run_backward)
-    if (params.fwd.cu_seqlens_q) {
-      return launch_backward<Traits>(&backward_kernel<Traits, Sequences::packed>, args, params, stream);
-    }
-  }
-  return launch_backward<Traits>(&backward_kernel<Traits, Sequences::batched>, args, params, stream);
+  const auto kernel = params.fwd.cu_seqlens_q ? &backward_kernel<Traits, Sequences::packed>
+                                              : &backward_kernel<Traits, Sequences::batched>;
+  return launch_backward<Traits>(kernel, args, params, stream);
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_backward(const BackwardParams& params, cudaStream_t stream) {
-  // The dQ kernel does not rebase its CTAs to packed sequences (the host plans none for them).
-  if (params.separate_dq && params.fwd.cu_seqlens_q != nullptr) return cudaErrorInvalidValue;
   if constexpr (has_dq_kernel(kHeadDim)) {
     if (params.separate_dq) {
       const cudaError_t status = run_key_tiles<BackwardTraits<Element, kHeadDim, DqBy::dq_kernel>>(params, stream);
