@@ -99,6 +99,58 @@ __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coo
 #endif
 }
 
+#if __CUDA_ARCH__ >= 900
+// rows[keys[row]] += acc as accumulate_gathered_rows below, by 16-byte reductions: where the lanes
+// of a pair (lane, lane ^ 1) hold neighbouring column pairs of one row (columns 4k, 4k + 1 and
+// 4k + 2, 4k + 3 of every group of 8, as the mma and wgmma accumulators do), each lane gives its
+// partner one of two column pairs and sends one float4 reduction for the two, half the reduction
+// instructions of float2 ones. ncu (H200, sm90a gather backward, train_scatter2048_d128): about a
+// quarter of the warps' stall samples were registers waiting for float2 reductions to drain them.
+// False, with nothing done, where the layout, a partial column tile or the alignment does not
+// allow it (the whole warp decides alike: the exchange needs every lane).
+template <typename AccRC, typename CoordsRC>
+__device__ __forceinline__ bool add_rows_by_quads(const AccRC& acc_rc, const CoordsRC& coords_rc, float* rows,
+                                                  const int* keys, int valid_rows, int head_dim, bool whole) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(acc_rc))::value;
+  constexpr int kCols = decltype(size<1>(acc_rc))::value;
+  constexpr unsigned kWarp = 0xffffffffu;
+  const int col0 = get<1>(coords_rc(0, 0));
+  const bool odd = threadIdx.x & 1;
+  auto col_offset = [&](int c) { return get<1>(coords_rc(0, c)) - col0; };
+  bool quads = whole && head_dim % 4 == 0 && __shfl_xor_sync(kWarp, col0, 1) == col0 + (odd ? -2 : 2) &&
+               col0 % 4 == (odd ? 2 : 0);
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 4) {
+    quads = quads && col_offset(c + 1) == col_offset(c) + 1 && col_offset(c + 2) == col_offset(c) + 8 &&
+            col_offset(c + 3) == col_offset(c) + 9;
+  }
+  if (!__all_sync(kWarp, quads)) return false;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(coords_rc(r, 0));
+    const bool exists = row < valid_rows;
+    // The even lane keeps group c's pair and sends group c + 2's; the odd lane the other way round.
+    // Its float4 starts 2 columns before its own pair of group c + 2.
+    std::int64_t offset = std::int64_t(exists ? keys[row] : 0) * head_dim + col0 + (odd ? 6 : 0);
+    asm volatile("" : "+l"(offset));  // (kept as computed, as in accumulate_gathered_rows)
+    float* const at = rows + offset;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; c += 4) {
+      const float given0 = __shfl_xor_sync(kWarp, odd ? acc_rc(r, c) : acc_rc(r, c + 2), 1);
+      const float given1 = __shfl_xor_sync(kWarp, odd ? acc_rc(r, c + 1) : acc_rc(r, c + 3), 1);
+      if (!exists) continue;
+      const float4 v = odd ? make_float4(given0, given1, acc_rc(r, c + 2), acc_rc(r, c + 3))
+                           : make_float4(acc_rc(r, c), acc_rc(r, c + 1), given0, given1);
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at + col_offset(c)), "f"(v.x), "f"(v.y),
+                   "f"(v.z), "f"(v.w)
+                   : "memory");
+    }
+  }
+  return true;
+}
+#endif
+
 // rows += acc at gathered rows (the gather path's dK and dV): row n of the accumulator's tile
 // adds to row keys[n] of `rows` (head_dim floats each), for n < valid_rows.
 //
@@ -122,6 +174,11 @@ __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const T
   CUTE_UNROLL
   for (int c = 0; c < kCols; ++c) last_col = max(last_col, col_offset(c));
   const bool whole = last_col < head_dim - col0;
+#if __CUDA_ARCH__ >= 900
+  if constexpr (kCols % 4 == 0) {
+    if (add_rows_by_quads(acc_rc, coords_rc, rows, keys, valid_rows, head_dim, whole)) return;
+  }
+#endif
   auto add_row = [&](int r, float* at, auto all_columns) CUTLASS_LAMBDA_FUNC_INLINE {
     CUTE_UNROLL
     for (int c = 0; c < kCols; c += 2) {  // columns c and c + 1 are neighbours (head_dim is even)
