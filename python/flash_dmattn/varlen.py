@@ -122,8 +122,7 @@ class _PackedAttention(torch.autograd.Function):
         lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32, device=q.device)
 
         def args_of(q, k, v):
-            args = _C.forward_args(q, k, v, out, lse, mask, None, bias, scale, causal, softcap, torch_ops._stream(q),
-                                   None)
+            args = torch_ops._forward_args(q, k, v, out, lse, mask, bias, scale, causal, softcap)
             _C.set_sequences(args, cu_q, cu_k, max_q, max_k)
             return args
 
@@ -146,8 +145,7 @@ class _PackedAttention(torch.autograd.Function):
         dout = torch_ops._padded(dout) if head_dim % torch_ops._HEAD_DIM_MULTIPLE else dout
         dout = dout.contiguous()
         dq, dk, dv = torch_ops._empty_like(q), torch_ops._empty_like(k), torch_ops._empty_like(v)
-        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) \
-            if bias is not None and ctx.needs_input_grad[4] else None
+        dbias = torch_ops._empty_like(bias) if bias is not None and ctx.needs_input_grad[4] else None
         args = _C.backward_args(q, k, v, out, lse, dout, dq, dk, dv, mask, None, bias, dbias, scale, causal, softcap,
                                 deterministic, torch_ops._stream(q), None)
         _C.set_sequences(args, cu_q, cu_k, max_q, max_k)
