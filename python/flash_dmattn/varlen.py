@@ -6,12 +6,11 @@ each sequence's start (docs/semantics.md §11).
 
 Eager calls go to the kernels as packed sequences (attention.h PackedSequences), where the backend
 takes them (the CPU reference, and on CUDA the kernels that read the offsets: docs/semantics.md
-§11); on CUDA, only calls that need no gradient for now (_PACKED_GRADIENTS_ON_CUDA). Other calls
-(torch.compile, tensor subclasses, and calls the backend refuses) run the dense
-kernels on a padded batch: every sequence is padded at the front to the maxima, so that the
-kernels' bottom-right causal alignment is each sequence's own. The keys in front are hidden by a
-key mask, and the query rows in front are dropped. The mask and bias views are shifted to match.
-The padding costs what the padded batch costs.
+§11), forward and backward. Other calls (torch.compile, tensor subclasses, and calls the backend
+refuses) run the dense kernels on a padded batch: every sequence is padded at the front to the
+maxima, so that the kernels' bottom-right causal alignment is each sequence's own. The keys in
+front are hidden by a key mask, and the query rows in front are dropped. The mask and bias views
+are shifted to match. The padding costs what the padded batch costs.
 """
 import weakref
 
@@ -154,24 +153,12 @@ class _PackedAttention(torch.autograd.Function):
                 None, dbias) + (None,) * 8
 
 
-# Whether CUDA calls that need gradients run packed. Not yet: on an H200 the packed backward's
-# kernels for the benchmark's serving case (8 sequences of 512 to 8192 tokens, D128, causal, bias)
-# took 10.3 ms against 8.9 for the padded batch (its padding included), while the packed forward
-# took 1.59 against 1.69 ms and half the memory (docs/architecture.md). Such calls run padded,
-# forward and backward, until the packed backward is faster.
-_PACKED_GRADIENTS_ON_CUDA = False
-
-
 def _run_packed(query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                 is_causal, softcap, deterministic):
     """(out, lse) of the packed sequences as they are, or None where they take the padded batch:
-    under torch.compile or on tensor subclasses, where the backend refuses them, and on CUDA
-    where gradients are needed (_PACKED_GRADIENTS_ON_CUDA)."""
+    under torch.compile or on tensor subclasses, and where the backend refuses them."""
     operands = (query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k)
     if not torch_ops._plain_eager(operands):
-        return None
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
-    if query.is_cuda and needs_grad and not _PACKED_GRADIENTS_ON_CUDA:
         return None
     # The checks flash_dmattn_func makes on the padded batch, on one-batch views of the tokens.
     query, key, value, bias = _autocast(query, key, value, bias)

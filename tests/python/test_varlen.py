@@ -60,7 +60,6 @@ def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes, p
     if path == "padded":
         monkeypatch.setattr(varlen, "_run_packed", lambda *args: None)
     else:
-        monkeypatch.setattr(varlen, "_PACKED_GRADIENTS_ON_CUDA", True)  # (the kernels' packed backward too)
         run_packed = varlen._run_packed
         monkeypatch.setattr(varlen, "_run_packed", lambda *args: runs.append(run_packed(*args)) or runs[-1])
     generator = torch.Generator().manual_seed(7)

@@ -16,6 +16,8 @@ namespace flash_dmattn::kernels::sm80 {
 template <typename Traits, Sequences kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) backward_kernel(const __grid_constant__ BackwardParams params) {
   extern __shared__ __align__(128) char smem[];
+  static_assert(kSequences == Sequences::batched || Traits::kSmemBytes + sizeof(BackwardParams) <= 163 * 1024,
+                "a packed call's params (for_sequence_key_tile) and the tiles exceed an A100 CTA's shared memory");
   for_each_key_tile<Traits::kBlockN>(params, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
     auto key_tile = [&](const BackwardParams& p) CUTLASS_LAMBDA_FUNC_INLINE {
       backward_key_tile<Traits>(p, smem, n_block, kv_head, batch, split);

@@ -24,6 +24,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     backward_kernel(const __grid_constant__ BackwardKernelParams<Traits> params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
+  static_assert(kSequences == Sequences::batched || Traits::kSmemBytes + sizeof(BackwardParams) <= 227 * 1024,
+                "a packed call's params (for_sequence_key_tile) and the tiles exceed a CTA's shared memory");
   QdOStages<Traits> q_do_stages(params, BackwardSmem<Traits>(smem).q_do_loaded);
   q_do_stages.init();  // the first key tile's barrier makes it visible before any load
   for_each_key_tile<Traits::kBlockN>(params.p, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
