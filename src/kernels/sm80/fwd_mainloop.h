@@ -1,8 +1,9 @@
 // The sm80 forward for one (query tile, head, batch): stream the key tiles that have visible keys,
 // keep an online softmax, write O and the LSE. The loop body is the algorithm:
 //   S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - max)  ->  O += P·V
-// with K of the next active tile and V of the current one loaded by cp.async behind the math.
-// The gather path runs the same steps over chunks of the CTA's key list (gathered_keys.h) instead
+// with K of the next active tile and V of the current one loaded by cp.async behind the math, or
+// for a decode, whose few rows leave little math to hide a load behind, with a ring of K and V
+// stages several tiles ahead (KvPipeline). The gather path runs the same steps over chunks of the CTA's key list (gathered_keys.h) instead
 // of key tiles, a split over its share of the chunks, with the next chunk's K and V rows gathered
 // into a second buffer behind the math.
 #pragma once
@@ -35,7 +36,14 @@ constexpr int gather_smem_bytes() {
   return gather_staging_offset<Traits>() + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kForwardGatherStages>::kSmemBytes;
 }
 
-template <typename Traits, KeySource kSource>
+// How the tile path's K and V tiles arrive. two_phase: K of the next active tile loads behind this
+// one's softmax and P·V, and V behind its S (FlashAttention-2's order: one tile in flight), which
+// the math of 16 rows per warp hides. ring: Traits::kRingStages tiles of K and V in flight, and each
+// tile's bias and mask bits loaded before its S, for decode tiles (one 16-row slab of packed
+// rows), where a CTA's math is a warp's few rows and every load's latency would show.
+enum class KvPipeline { two_phase, ring };
+
+template <typename Traits, KeySource kSource, KvPipeline kPipeline = KvPipeline::two_phase>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int grid_head, int b,
                                              int split) {
   using namespace cute;
@@ -180,6 +188,48 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       }
       cp_async_wait<0>();
       __syncthreads();  // chunk c + 1's rows and chunk c + 2's keys have landed; chunk c is read
+    }
+  } else if constexpr (kPipeline == KvPipeline::ring) {
+    // Tile i of the walk lands in stage i % kStages; the loop's step i waits for it and then
+    // issues tile i + kStages - 1 into the stage step i - 1 read.
+    constexpr int kStages = Traits::kRingStages;
+    constexpr int kStageElems = 2 * decltype(size(sK))::value;  // from one stage's K (and V) to the next's
+    struct Pending {
+      int n_block;  // -1: past the walk's end
+      bool elementwise;
+    };
+    Pending pending[kStages - 1];
+    int next = tiles.first(), issued = 0;
+    auto issue_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      const Pending tile{next, next >= 0 && tiles.needs_elementwise(next)};  // (valid until the walk moves)
+      if (next >= 0) {
+        const int stage = issued % kStages, valid_rows = p.seqlen_k - next * kBlockN;
+        copy_rows_async(tKgK(_, _, _, next), at_stage(tKsK, stage, kStageElems), tKVcKV, valid_rows, p.head_dim);
+        copy_rows_async(tVgV(_, _, _, next), at_stage(tVsV, stage, kStageElems), tKVcKV, valid_rows, p.head_dim);
+        next = tiles.at_or_below(next - 1);
+      }
+      cp_async_fence();  // an empty group too: the waits below count groups
+      ++issued;
+      return tile;
+    };
+    CUTE_UNROLL
+    for (int s = 0; s < kStages - 1; ++s) pending[s] = issue_next();
+    for (int stage = 0; pending[0].n_block >= 0; stage = stage + 1 == kStages ? 0 : stage + 1) {
+      const Pending tile = pending[0];
+      typename Policy::TileInputs inputs;
+      if (warp_has_rows) policy.load_inputs(inputs, tScS, tile.n_block, tile.elementwise);
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // this tile's K and V have landed; every warp is done reading the stage refilled next
+      CUTE_UNROLL
+      for (int s = 0; s + 2 < kStages; ++s) pending[s] = pending[s + 1];
+      pending[kStages - 2] = issue_next();
+      if (warp_has_rows) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        scores(acc_s, at_stage(tSsK, stage, kStageElems), [&](auto& s) CUTLASS_LAMBDA_FUNC_INLINE {
+          policy.apply(s, tScS, tile.n_block, tile.elementwise, inputs);
+        });
+        accumulate(acc_s, at_stage(tOsVt, stage, kStageElems));
+      }
     }
   } else {
     // Key tiles, last first. K of the next active tile loads while this one's softmax and P·V

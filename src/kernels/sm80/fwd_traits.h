@@ -1,6 +1,8 @@
 // Tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 (mma.sync) forward.
 #pragma once
 
+#include <algorithm>
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -49,8 +51,16 @@ struct ForwardTraits {
   using GmemTiledCopyQKV = typename GmemRowCopies<Element, kNThreads, kBlockKSmem>::Async;
   using GmemTiledCopyO = typename GmemRowCopies<Element, kNThreads, kBlockKSmem>::Vectors;
 
-  static constexpr int kSmemBytes =
-      static_cast<int>((cute::cosize(SmemLayoutQ{}) + 2 * cute::cosize(SmemLayoutKV{})) * sizeof(Element));
+  static constexpr int kQBytes = static_cast<int>(cute::cosize(SmemLayoutQ{}) * sizeof(Element));
+  static constexpr int kKVTileBytes = static_cast<int>(cute::cosize(SmemLayoutKV{}) * sizeof(Element));
+  static constexpr int kSmemBytes = kQBytes + 2 * kKVTileBytes;
+
+  // The decode loop's ring of K and V stages (KvPipeline::ring in fwd_mainloop.h): as many as fit
+  // beside Q in 112 KB, so that two CTAs share an H100's SM, from 2 to 4 (D = 64 and 128: 3).
+  static constexpr int kRingStages = std::clamp((112 * 1024 - kQBytes) / (2 * kKVTileBytes), 2, 4);
+  static constexpr int kRingSmemBytes = kQBytes + kRingStages * 2 * kKVTileBytes;
+  // The ring runs where its stages fit an A100's 163 KB per CTA: not at D = 256 (192 KB).
+  static constexpr bool kHasRing = kRingSmemBytes <= 163 * 1024;
 };
 
 }  // namespace flash_dmattn::kernels::sm80
