@@ -113,8 +113,9 @@ struct PackedSequences {
 
 // A KV cache's lengths and pages. Logical key p·page_size + t of sequence b is row t of page
 // block_table[b, p]; entries past a sequence's last page are not read. Both int32 on the tensors'
-// device; on the CPU their values are checked before any work, and CUDA backends run no cached
-// call yet (the torch front gathers the pages for them).
+// device; on the CPU their values are checked before any work, while the CUDA backend cannot read
+// them without waiting for the device and trusts them (the torch front checks them). On CUDA the
+// sm80 forward runs cached calls, reading each key row from its page (not with key indices).
 struct KeyValueCache {
   TensorView seqlens_k;                   // (B,): sequence b's cached keys, in [0, K]
   std::optional<TensorView> block_table;  // (B, max_pages): k and v are pages; without it (B, K, Hk, D)

@@ -4,13 +4,19 @@ The call serving engines make: the newest Sq tokens of every sequence attend to 
 cached keys, which are addressed through a block table (vLLM's and FlashInfer's paged layout) or
 lie contiguously. The mask and bias address logical key positions (docs/semantics.md §12).
 
-This first version gathers each sequence's pages into a contiguous (B, K, Hk, D) copy and runs the
-dense kernels with the lengths and the causal limit as a mask; kernels that read the pages through
-the block table are to replace it behind the same call.
+Eager calls that need no gradient hand the cache to the backend as it lies (attention.h
+KeyValueCache): the sm80 forward reads each key tile's rows from their pages and each sequence's
+length from cache_seqlens, and the CPU reference gathers them. Other calls (gradients,
+torch.compile, tensor subclasses, head dims that are not a multiple of 8, rows the kernels cannot
+load as 16-byte vectors, and calls the backend refuses) gather each sequence's pages into a
+contiguous (B, K, Hk, D) copy and run the dense kernels with the lengths and the causal limit as a
+mask.
 """
 import torch
 
-from .interface import _unpacked, flash_dmattn_func
+from . import _C, torch_ops
+from .interface import (_autocast, _check_operands, _check_options, _kernel_operands, _unpacked,
+                        flash_dmattn_func)
 
 
 def _fail(error, argument: str, message: str):
@@ -31,6 +37,37 @@ def _logical_keys(cache: torch.Tensor, pages, batch: int) -> torch.Tensor:
     if pages is None:
         return cache
     return cache[pages].reshape(batch, pages.size(1) * cache.size(1), *cache.shape[2:])
+
+
+def _run_cached(query, k_cache, v_cache, cache_seqlens, block_table, keys, mask, bias, softmax_scale, is_causal,
+                softcap):
+    """(out, lse) of the backend reading the cache as it lies, or None where the call takes the
+    gathered copy (the module's docstring says when)."""
+    operands = (query, k_cache, v_cache, cache_seqlens, block_table, mask, bias)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, k_cache, v_cache, bias))
+    if needs_grad or not torch_ops._plain_eager(operands) or query.size(-1) % torch_ops._HEAD_DIM_MULTIPLE:
+        return None
+    query, k_cache, v_cache, bias = _autocast(query, k_cache, v_cache, bias)
+    batch, seqlen_q, heads, head_dim = query.shape
+    # The checks flash_dmattn_func makes, on a stand-in for the logical (B, K, Hk, D) keys.
+    logical = k_cache.new_empty(1).expand(batch, keys, *k_cache.shape[2:])
+    _check_operands(query, logical, logical, mask, bias, None)
+    softmax_scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    softcap = 0.0 if softcap is None else float(softcap)
+    _check_options(softmax_scale, softcap)
+    mask, bias = _kernel_operands(mask, bias)
+    out = torch_ops._empty_like(query)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=query.device)
+    args = torch_ops._forward_args(query, k_cache, v_cache, out, lse, mask, bias, softmax_scale, bool(is_causal), softcap)
+    if query.is_cuda and not args.rows_aligned:
+        return None
+    as_int32 = lambda t: None if t is None else t.to(device=query.device, dtype=torch.int32)  # noqa: E731
+    _C.set_cache(args, as_int32(cache_seqlens), as_int32(block_table))
+    try:
+        torch_ops._run(_C.forward, _C.forward_workspace_size, args, query.device)
+    except NotImplementedError:  # (refused before any launch: the gathered copy runs instead)
+        return None
+    return out, lse
 
 
 def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_table=None, attn_mask=None,
@@ -97,6 +134,10 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
             b, p = (int(i) for i in bad_pages.nonzero()[0])
             _fail(ValueError, "block_table", f"expected page indices in [0, {k_cache.size(0)}) where a sequence "
                                              f"reads them, got {int(block_table[b, p])} at ({b}, {p})")
+    cached = _run_cached(query, k_cache, v_cache, cache_seqlens, block_table, keys, attn_mask, attn_bias,
+                         softmax_scale, is_causal, softcap)
+    if cached is not None:
+        return (cached[0], cached[1], None) if return_attn_probs else cached[0]
     k = _logical_keys(k_cache, pages, batch)
     v = _logical_keys(v_cache, pages, batch)
     lengths = cache_seqlens.to(device=query.device, dtype=torch.long).view(batch, 1, 1, 1)

@@ -74,8 +74,9 @@ kernels::MaskExtent mask_extent(const TensorView& mask, const Problem& p) {
   m.row_stride = mask.stride[2];
   m.col_stride = mask.stride[3];
   m.head_divisor = static_cast<int>(heads / mask.shape[1]);
-  // Packed sequences align their causal diagonals each its own way: no block is skipped for all.
-  m.causal = p.causal && mask.shape[2] > 1 && !p.packed;
+  // Packed sequences and KV caches align their causal diagonals each its own way: no block is
+  // skipped for all.
+  m.causal = p.causal && mask.shape[2] > 1 && !p.packed && !p.cached;
   m.diagonal = p.seqlen_k - p.seqlen_q;
   return m;
 }
@@ -119,6 +120,14 @@ kernels::ForwardParams forward_params(const ForwardArgs& a, const Problem& p) {
     f.cu_seqlens_k = static_cast<const int*>(a.sequences->cu_seqlens_k.data);
     f.total_q = static_cast<int>(a.q.shape[0]);
     f.total_k = static_cast<int>(a.k.shape[0]);
+  }
+  if (a.cache) {  // k and v: (B, K, Hk, D), or pages (num_pages, page_size, Hk, D) with their strides
+    f.seqlens_k = static_cast<const int*>(a.cache->seqlens_k.data);
+    if (a.cache->block_table) {
+      f.block_table = static_cast<const int*>(a.cache->block_table->data);
+      f.block_table_stride = a.cache->block_table->stride[0];
+      f.page_size = static_cast<int>(p.page_size);
+    }
   }
   if (a.mask) f.mask = broadcast_operand(*a.mask, p.heads);
   if (a.bias) f.bias = broadcast_operand(*a.bias, p.heads);
@@ -168,6 +177,7 @@ std::optional<std::string> sm90a_unavailable(const Problem& p, int arch, Pass pa
   // The forward's 128-row tiles would compute mostly padding there; the sm80 warps without rows
   // skip theirs, and only there do GQA heads get packed (which this kernel does not do).
   if (pass == Pass::forward && p.seqlen_q <= kDecodePackedRows) return std::string("does not run Sq <= 16 (decode runs on sm80)");
+  if (p.cached) return std::string("does not read KV caches (the sm80 forward does)");
   return std::nullopt;
 }
 
@@ -295,11 +305,15 @@ bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& 
   return prepared_lists(prepared, wanted, mask, p) != nullptr;
 }
 
+// Packed sequences and KV caches have no gather path yet: their lists would follow each
+// sequence's lengths.
+bool per_sequence_lengths(const Problem& p) { return p.packed || p.cached; }
+
 // Whether a preparation makes room for key lists: where the gather path is possible and not
 // forbidden (FLASH_DMATTN_SPARSE_PATH=tile).
 bool lists_room(const ForwardArgs& a, const Problem& p) {
-  // (Packed sequences have no gather path yet: their lists would follow each sequence's lengths.)
-  return gather_possible(a.mask, p.seqlen_q) && sparse_path() != SparsePath::tile && !p.empty() && !p.packed;
+  return gather_possible(a.mask, p.seqlen_q) && sparse_path() != SparsePath::tile && !p.empty() &&
+         !per_sequence_lengths(p);
 }
 
 // The mask's summary (the kernels' TileSummary): from the prepared mask, or built on `stream`
@@ -404,7 +418,8 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     plan_gather(*a.indices);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
-  } else if (!p.packed && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) && gather_forward_fits(p)) {
+  } else if (!per_sequence_lengths(p) && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) &&
+             gather_forward_fits(p)) {
     // The splits of the gather path share out the chunks of each list.
     plan_gather(*a.mask);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
@@ -505,8 +520,7 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
 // head dim 128 (sm80/tile_size.h), on empty problems, or where its shared memory exceeds the device's.
 bool gather_backward(const BackwardArgs& a, const Problem& p, bool heads_pair) {
   if (!a.indices && !gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::backward, heads_pair)) return false;
-  // (Packed sequences have no gather path yet: their lists would follow each sequence's lengths.)
-  if (p.deterministic || p.empty() || p.seqlen_k == 0 || p.packed) return false;
+  if (p.deterministic || p.empty() || p.seqlen_k == 0 || per_sequence_lengths(p)) return false;
   return smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
@@ -688,7 +702,11 @@ class CudaSm80Backend final : public BackendImpl {
 
   std::optional<std::string> cannot_run(const Problem& p, Pass pass) const override {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
-    if (p.cached) return std::string("runs no KV caches yet (the torch front gathers their pages)");
+    // (A cache's key indices would take the gather path, which has no per-sequence lengths.)
+    if (p.cached && p.has_indices) return std::string("reads no key indices of a KV cache yet");
+    if (p.cached && !kernels::sm80::has_ring(static_cast<int>(p.head_dim))) {
+      return "reads KV caches at head dims up to 192 (its decode ring), got " + std::to_string(p.head_dim);
+    }
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
     if (arch < 80) return "needs compute capability 8.0 or newer, device has " + std::to_string(arch / 10) + "." +

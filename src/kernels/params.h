@@ -95,6 +95,14 @@ struct ForwardParams {
   // whole, as batch 0, from those rows.
   int total_q = 0, total_k = 0;
   int q_row0 = 0, k_row0 = 0;
+  // A KV cache (attention.h KeyValueCache; the sm80 forward's tile path): batch b sees its first
+  // seqlens_k[b] keys (for_sequence makes that its seqlen_k). With a block table, k and v are
+  // pages of page_size rows, k_batch_stride (v_batch_stride) apart, and key j of batch b is row
+  // j % page_size of page block_table[b * block_table_stride + j / page_size].
+  const int* seqlens_k = nullptr;
+  const int* block_table = nullptr;
+  std::int64_t block_table_stride = 0;
+  int page_size = 0;
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;

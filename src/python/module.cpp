@@ -231,6 +231,11 @@ void set_sequences(Args& args, nb::handle cu_seqlens_q, nb::handle cu_seqlens_k,
                                        read_tensor(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q, max_seqlen_k};
 }
 
+// A KV cache's lengths and optional block table (int32 torch tensors) on a forward's args.
+void set_cache(fd::ForwardArgs& args, nb::handle seqlens_k, nb::handle block_table) {
+  args.cache = fd::KeyValueCache{read_tensor(seqlens_k, "cache_seqlens"), read_optional_tensor(block_table, "block_table")};
+}
+
 void translate_error(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
@@ -419,6 +424,10 @@ NB_MODULE(_C, m) {
         "Makes a forward's args packed sequences (torch tensors, register_dtypes first)");
   m.def("set_sequences", &set_sequences<fd::BackwardArgs>, nb::arg("args"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), "The same for a backward's args");
+
+  // A KV cache (attention.h KeyValueCache) on args that forward_args made: k and v are the cache.
+  m.def("set_cache", &set_cache, nb::arg("args"), nb::arg("seqlens_k"), nb::arg("block_table").none(),
+        "Makes a forward's k and v a KV cache (torch tensors, register_dtypes first)");
 
   m.def("rows_aligned", &rows_aligned, nb::arg("tensor"),
         "Whether a torch tensor's rows suit the CUDA kernels' 16-byte loads (register_dtypes first)");

@@ -1,5 +1,5 @@
-// Packed sequences in the kernels: a CTA of sequence b rebases the call's params to its sequence,
-// so that a main loop written for a batch of equal lengths runs it unchanged.
+// Packed sequences and KV caches in the kernels: a CTA of sequence b rebases the call's params to
+// its sequence, so that a main loop written for a batch of equal lengths runs it unchanged.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +15,12 @@ constexpr std::int64_t kElementBytes = 2;
 // the host sets to 0, so the loops' b·stride adds nothing), q, k, v, out and lse advanced to the
 // sequence's first rows, and its own lengths, while mask, bias and their summary keep indexing batch b of
 // their (B|1, .., max_q|1, max_k|1) layout, whose positions count from the sequence's start. A
-// batched call's params come back unchanged.
+// KV cache's batch b keeps its rows and gets its own key count; a batched call's params come back
+// unchanged.
 __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& params, int b) {
   ForwardParams p = params;
+  // A KV cache's batch b: its cached keys, which the validated lengths keep within seqlen_k.
+  if (params.seqlens_k != nullptr) p.seqlen_k = min(params.seqlens_k[b], params.seqlen_k);
   if (params.cu_seqlens_q == nullptr) return p;
   const std::int64_t q0 = params.cu_seqlens_q[b], k0 = params.cu_seqlens_k[b];
   // The offsets are the caller's (the host cannot read them without waiting): a sequence longer

@@ -119,6 +119,33 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     const int packed = row0 + row;
     return static_cast<const Element*>(p.q) + b * p.q_batch_stride + rows.offset(packed, p.q_row_stride, p.q_head_stride);
   });
+  // K or V rows of key tile n_block into dst: rows past the keys zero-filled; in the ring, a paged
+  // cache's rows each from its page (every visible tile's first key lies in a page the block table
+  // names). Only the ring reads pages: the branch cost the two-phase kernel stack (ptxas, D128
+  // bf16: 16 -> 80 bytes).
+  auto load_kv = [&](const auto& tiles_g, const void* base, std::int64_t page_stride, std::int64_t row_stride,
+                     std::int64_t head_stride, auto&& dst, int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
+    const int valid_rows = p.seqlen_k - n_block * kBlockN;
+    if constexpr (kPipeline == KvPipeline::ring) {
+      if (p.block_table != nullptr) {
+        const int* pages = p.block_table + b * p.block_table_stride;
+        const Element* rows_h = static_cast<const Element*>(base) + kv_h * head_stride;
+        copy_rows_by_pointer_async<Element>(dst, tKVcKV, valid_rows, p.head_dim, [&](int row) {
+          const int key = n_block * kBlockN + row;
+          return rows_h + pages[key / p.page_size] * page_stride + (key % p.page_size) * row_stride;
+        });
+        return;
+      }
+    }
+    copy_rows_async(tiles_g(_, _, _, n_block), dst, tKVcKV, valid_rows, p.head_dim);
+  };
+  auto load_k = [&](int n_block, auto&& dst) CUTLASS_LAMBDA_FUNC_INLINE {
+    load_kv(tKgK, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, dst, n_block);
+  };
+  auto load_v = [&](int n_block, auto&& dst) CUTLASS_LAMBDA_FUNC_INLINE {
+    load_kv(tVgV, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, dst, n_block);
+  };
+
   // Warp w owns rows 16w..16w+15. A warp whose rows are all past the tile's end (a packed decode
   // tile holds a handful of rows) skips the MMAs and the softmax but keeps loading and meeting
   // the barriers: the MMAs of the padding rows were half of the decode time.
@@ -203,9 +230,9 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     auto issue_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       const Pending tile{next, next >= 0 && tiles.needs_elementwise(next)};  // (valid until the walk moves)
       if (next >= 0) {
-        const int stage = issued % kStages, valid_rows = p.seqlen_k - next * kBlockN;
-        copy_rows_async(tKgK(_, _, _, next), at_stage(tKsK, stage, kStageElems), tKVcKV, valid_rows, p.head_dim);
-        copy_rows_async(tVgV(_, _, _, next), at_stage(tVsV, stage, kStageElems), tKVcKV, valid_rows, p.head_dim);
+        const int stage = issued % kStages;
+        load_k(next, at_stage(tKsK, stage, kStageElems));
+        load_v(next, at_stage(tVsV, stage, kStageElems));
         next = tiles.at_or_below(next - 1);
       }
       cp_async_fence();  // an empty group too: the waits below count groups
@@ -234,17 +261,14 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   } else {
     // Key tiles, last first. K of the next active tile loads while this one's softmax and P·V
     // run, V of this tile while its S is computed.
-    auto load_k = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
-      copy_rows_async(tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
-    };
     int n_block = tiles.first();
-    if (n_block >= 0) load_k(n_block);
+    if (n_block >= 0) load_k(n_block, tKsK);
     cp_async_fence();
     while (n_block >= 0) {
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       cp_async_wait<0>();
       __syncthreads();  // K of this tile has landed, and every warp is done reading the last V
-      copy_rows_async(tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+      load_v(n_block, tVsV);
       cp_async_fence();
       if (warp_has_rows) {
         scores(acc_s, tSsK, [&](auto& s) CUTLASS_LAMBDA_FUNC_INLINE { policy.apply(s, tScS, n_block, tiles.needs_elementwise(n_block)); });
@@ -252,7 +276,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       const int next = tiles.at_or_below(n_block - 1);
       cp_async_wait<0>();
       __syncthreads();  // V of this tile has landed, and every warp is done reading K
-      if (next >= 0) load_k(next);
+      if (next >= 0) load_k(next, tKsK);
       cp_async_fence();
       if (warp_has_rows) accumulate(acc_s, tOsVt);
       n_block = next;

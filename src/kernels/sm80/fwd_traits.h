@@ -59,8 +59,8 @@ struct ForwardTraits {
   // beside Q in 112 KB, so that two CTAs share an H100's SM, from 2 to 4 (D = 64 and 128: 3).
   static constexpr int kRingStages = std::clamp((112 * 1024 - kQBytes) / (2 * kKVTileBytes), 2, 4);
   static constexpr int kRingSmemBytes = kQBytes + kRingStages * 2 * kKVTileBytes;
-  // The ring runs where its stages fit an A100's 163 KB per CTA: not at D = 256 (192 KB).
-  static constexpr bool kHasRing = kRingSmemBytes <= 163 * 1024;
+  static constexpr bool kHasRing = has_ring(kHeadDim);
+  static_assert(!kHasRing || kRingSmemBytes <= 163 * 1024, "the ring's stages exceed an A100 CTA's shared memory");
 };
 
 }  // namespace flash_dmattn::kernels::sm80

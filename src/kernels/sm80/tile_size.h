@@ -24,6 +24,11 @@ constexpr ForwardTile forward_tile(int head_dim) {
   return {128, 64, 8, 1};
 }
 
+// Whether the forward has its ring of K/V stages (KvPipeline::ring in fwd_mainloop.h), which runs
+// decodes and KV caches: where two stages fit an A100's 163 KB per CTA beside Q (fwd_traits.h
+// checks it), not at D = 256 (192 KB).
+constexpr bool has_ring(int head_dim) { return head_dim <= 192; }
+
 // The backward: a CTA owns one key tile of block_n keys (its dK and dV stay in registers) and
 // walks the query tiles of block_m rows. Its three GEMM shapes spread 8 warps differently:
 //   S = Q·Kᵀ and dP = dO·Vᵀ   (block_m x block_n): sdp_warps_m x (8 / sdp_warps_m)
