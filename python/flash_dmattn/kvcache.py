@@ -61,7 +61,7 @@ def _run_cached(query, k_cache, v_cache, cache_seqlens, block_table, keys, mask,
     args = torch_ops._forward_args(query, k_cache, v_cache, out, lse, mask, bias, softmax_scale, bool(is_causal), softcap)
     if query.is_cuda and not args.rows_aligned:
         return None
-    as_int32 = lambda t: None if t is None else t.to(device=query.device, dtype=torch.int32)  # noqa: E731
+    as_int32 = lambda t: None if t is None else t.to(device=query.device, dtype=torch.int32).contiguous()  # noqa: E731
     _C.set_cache(args, as_int32(cache_seqlens), as_int32(block_table))
     try:
         torch_ops._run(_C.forward, _C.forward_workspace_size, args, query.device)

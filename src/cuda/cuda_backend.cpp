@@ -155,6 +155,7 @@ struct ForwardPlan {
   int pack_group = 1;
   int num_splits = 1;
   bool gather = false;  // the gather path: key lists (sm80 kernels unless gather_forward_family says sm90a)
+  bool kv_ring = false;  // the sm80 tile path's ring of K/V stages (ForwardParams::kv_ring)
   kernels::KeyListExtent lists;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0, lists_bytes = 0;
 
@@ -343,6 +344,12 @@ bool smem_fits(int needed, const Problem& p) {
   return needed > 0 && needed <= device_info(p.device.index).smem_per_block_optin;
 }
 
+// Whether the sm80 forward's ring of K/V stages runs at p's head dim on p's device (tile_size.h).
+bool ring_fits(const Problem& p) {
+  const int bucket = kernels::sm80::head_dim_bucket(static_cast<int>(p.head_dim));
+  return kernels::sm80::has_ring(bucket) && smem_fits(kernels::sm80::ring_smem_bytes(bucket), p);
+}
+
 // Whether the gather forward's shared memory (a second K/V buffer beside the tiles') fits the
 // device: not at the largest head dims on GPUs with less than Hopper's and A100's.
 bool gather_forward_fits(const Problem& p) {
@@ -425,6 +432,9 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
   } else {
     plan.family = choose_family(p, arch, Pass::forward);
+    // Decodes (packed rows in one 16-row slab) and KV caches (cannot_run: only where it fits).
+    plan.kv_ring = plan.family == KernelFamily::sm80 &&
+                   (p.seqlen_q * plan.pack_group <= kDecodePackedRows || p.cached) && ring_fits(p);
   }
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at one wave.
@@ -704,8 +714,12 @@ class CudaSm80Backend final : public BackendImpl {
     if (p.device.type != DeviceType::cuda) return "runs on CUDA tensors, got tensors on " + device_name(p.device);
     // (A cache's key indices would take the gather path, which has no per-sequence lengths.)
     if (p.cached && p.has_indices) return std::string("reads no key indices of a KV cache yet");
-    if (p.cached && !kernels::sm80::has_ring(static_cast<int>(p.head_dim))) {
-      return "reads KV caches at head dims up to 192 (its decode ring), got " + std::to_string(p.head_dim);
+    if (p.cached && !ring_fits(p)) {
+      const int bucket = kernels::sm80::head_dim_bucket(static_cast<int>(p.head_dim));
+      return "reads KV caches with its decode ring, which needs a head dim up to 192 and " +
+             std::to_string(kernels::sm80::ring_smem_bytes(bucket)) + " bytes of shared memory per block; got head dim " +
+             std::to_string(p.head_dim) + ", and the device allows " +
+             std::to_string(device_info(p.device.index).smem_per_block_optin);
     }
     const int arch = arch_of(p.device.index);
     if (arch < 0) return "cannot query CUDA device " + std::to_string(p.device.index);
@@ -841,6 +855,7 @@ class CudaSm80Backend final : public BackendImpl {
     char* workspace = static_cast<char*>(a.workspace.data);
     params.pack_group = plan.pack_group;
     params.num_splits = plan.num_splits;
+    params.kv_ring = plan.kv_ring;
     if (plan.num_splits > 1) {
       params.partial_out = reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes));
       params.partial_lse =

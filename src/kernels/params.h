@@ -103,6 +103,10 @@ struct ForwardParams {
   const int* block_table = nullptr;
   std::int64_t block_table_stride = 0;
   int page_size = 0;
+  // The sm80 forward runs its ring of K/V stages (KvPipeline::ring): the host picks it for decodes
+  // (a tile's packed rows fit one 16-row slab) and KV caches, where its shared memory fits the
+  // device; other decodes take the two-phase kernel, and KV caches need the ring.
+  bool kv_ring = false;
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;

@@ -152,7 +152,7 @@ TEST_P(KvCacheForward, EachSequenceMatchesItsReference) {
 
 // Decodes: a GQA group packed into one tile's rows, split keys, a 64- or 128-key tile over pages
 // of 16 and inside pages of 64; speculative rows (Sq 4, one shorter sequence); chunked prefill
-// (Sq 40 and 33: the two-phase loop) from a contiguous and a paged cache.
+// (Sq 40 and 33, several warps' rows in the ring) from a contiguous and a paged cache.
 const auto kCases = ::testing::Values(
     CacheCase{{5, 1, 130, 0, 64, 300}, 1, 8, 2, 64, 16, {true, 2, false, true}, {true, 0, false, true}, true},
     CacheCase{{1000, 37, 513}, 1, 32, 8, 128, 64, {true, 8, false, true}, {true, 0, false, true}, false},

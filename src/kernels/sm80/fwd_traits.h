@@ -1,8 +1,6 @@
 // Tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 (mma.sync) forward.
 #pragma once
 
-#include <algorithm>
-
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -55,10 +53,10 @@ struct ForwardTraits {
   static constexpr int kKVTileBytes = static_cast<int>(cute::cosize(SmemLayoutKV{}) * sizeof(Element));
   static constexpr int kSmemBytes = kQBytes + 2 * kKVTileBytes;
 
-  // The decode loop's ring of K and V stages (KvPipeline::ring in fwd_mainloop.h): as many as fit
-  // beside Q in 112 KB, so that two CTAs share an H100's SM, from 2 to 4 (D = 64 and 128: 3).
-  static constexpr int kRingStages = std::clamp((112 * 1024 - kQBytes) / (2 * kKVTileBytes), 2, 4);
+  // The decode loop's ring of K and V stages (KvPipeline::ring in fwd_mainloop.h; tile_size.h).
+  static constexpr int kRingStages = ring_stages(kHeadDim);
   static constexpr int kRingSmemBytes = kQBytes + kRingStages * 2 * kKVTileBytes;
+  static_assert(kRingSmemBytes == ring_smem_bytes(kHeadDim), "the host's count of the ring's shared memory");
   static constexpr bool kHasRing = has_ring(kHeadDim);
   static_assert(!kHasRing || kRingSmemBytes <= 163 * 1024, "the ring's stages exceed an A100 CTA's shared memory");
 };

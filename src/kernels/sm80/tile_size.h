@@ -29,6 +29,20 @@ constexpr ForwardTile forward_tile(int head_dim) {
 // checks it), not at D = 256 (192 KB).
 constexpr bool has_ring(int head_dim) { return head_dim <= 192; }
 
+// The ring's K/V stages at a compiled head dim: as many as fit beside Q in 112 KB, so that two
+// CTAs share an H100's SM, from 2 to 4 (D = 64 and 128: 3; D = 192: 2, 144 KB). And its shared
+// memory (16-bit elements; fwd_traits.h asserts it equals the layouts'), which the host checks
+// against the device: sm_86 and sm_89 GPUs offer a CTA 99 KB, less than the ring takes at D >= 64.
+constexpr int ring_stages(int head_dim) {
+  const ForwardTile t = forward_tile(head_dim);
+  const int stages = (112 * 1024 - t.block_m * head_dim * 2) / (2 * t.block_n * head_dim * 2);
+  return stages < 2 ? 2 : stages > 4 ? 4 : stages;
+}
+constexpr int ring_smem_bytes(int head_dim) {
+  const ForwardTile t = forward_tile(head_dim);
+  return t.block_m * head_dim * 2 + ring_stages(head_dim) * 2 * t.block_n * head_dim * 2;
+}
+
 // The backward: a CTA owns one key tile of block_n keys (its dK and dV stay in registers) and
 // walks the query tiles of block_m rows. Its three GEMM shapes spread 8 warps differently:
 //   S = Q·Kᵀ and dP = dO·Vᵀ   (block_m x block_n): sdp_warps_m x (8 / sdp_warps_m)
