@@ -23,13 +23,10 @@ def _fail(error, argument: str, message: str):
     raise error(f"flash_dmattn_with_kvcache: argument '{argument}': {message}")
 
 
-def _pages(block_table, cache_seqlens, page_size: int, num_pages: int):
-    """(page indices, where a sequence reads an entry that is no page): entries past a sequence's last
-    page (any value) read page 0."""
-    pages = block_table.long()
-    used = torch.arange(pages.size(1), device=pages.device)[None, :] * page_size < \
-        cache_seqlens.to(device=pages.device, dtype=torch.long)[:, None]
-    return torch.where(used, pages, 0), used & ((pages < 0) | (pages >= num_pages))
+def _read_entries(block_table, cache_seqlens, page_size: int):
+    """(B, max_pages) bool: the entries of the block table that a sequence reads (below its length)."""
+    return torch.arange(block_table.size(1), device=block_table.device)[None, :] * page_size < \
+        cache_seqlens.to(device=block_table.device, dtype=torch.long)[:, None]
 
 
 def _logical_keys(cache: torch.Tensor, pages, batch: int) -> torch.Tensor:
@@ -119,12 +116,11 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
     # is captured.
     check = not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and
                                                         torch.cuda.is_current_stream_capturing())
-    pages = bad_pages = None
-    if block_table is not None:
-        pages, bad_pages = _pages(block_table, cache_seqlens, k_cache.size(1), k_cache.size(0))
     if check:  # one read of the GPU for both checks
         flags = [((cache_seqlens < 0) | (cache_seqlens > keys)).any()]
-        if bad_pages is not None:
+        if block_table is not None:
+            bad_pages = _read_entries(block_table, cache_seqlens, k_cache.size(1)) & \
+                ((block_table < 0) | (block_table >= k_cache.size(0)))
             flags.append(bad_pages.any().to(flags[0].device))
         flags = torch.stack(flags).tolist()
         if flags[0]:
@@ -138,6 +134,9 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
                          softmax_scale, is_causal, softcap)
     if cached is not None:
         return (cached[0], cached[1], None) if return_attn_probs else cached[0]
+    # The gathered copy: entries past a sequence's last page (any value) read page 0.
+    pages = None if block_table is None else \
+        torch.where(_read_entries(block_table, cache_seqlens, k_cache.size(1)), block_table.long(), 0)
     k = _logical_keys(k_cache, pages, batch)
     v = _logical_keys(v_cache, pages, batch)
     lengths = cache_seqlens.to(device=query.device, dtype=torch.long).view(batch, 1, 1, 1)
