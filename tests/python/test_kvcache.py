@@ -5,6 +5,7 @@ torch = pytest.importorskip("torch")
 
 from flash_dmattn import flash_dmattn_func, pack_mask  # noqa: E402
 from flash_dmattn.kvcache import flash_dmattn_with_kvcache  # noqa: E402
+from torch_cases import route_fast_path  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -13,7 +14,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("seqlen_q", [1, 3])
-def test_cache_calls_match_each_sequence_alone(device, paged, is_causal, seqlen_q):
+@pytest.mark.parametrize("path", ["as_it_lies", "gathered"])
+def test_cache_calls_match_each_sequence_alone(device, paged, is_causal, seqlen_q, path, monkeypatch):
+    """Both ways through the call: the cache handed to the backend as it lies (the test fails if it
+    was refused) and the gathered copy."""
+    import flash_dmattn.kvcache as kvcache
+    runs = route_fast_path(monkeypatch, kvcache, "_run_cached", path != "gathered")
     generator = torch.Generator().manual_seed(11)
     B, H, Hk, D, page = 4, 4, 2, 32, 16
     lengths = [37, 3, 16, 64]
@@ -47,7 +53,8 @@ def test_cache_calls_match_each_sequence_alone(device, paged, is_causal, seqlen_
                                             attn_bias=bias, is_causal=is_causal, return_attn_probs=True)
     packed_out = flash_dmattn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, attn_mask=pack_mask(mask),
                                            attn_bias=bias, is_causal=is_causal)
-    assert torch.equal(packed_out, out)  # the same mask bit-packed: unpacked on the way
+    assert torch.equal(packed_out, out)  # the same mask bit-packed (unpacked on the gathered path)
+    assert path == "gathered" or (len(runs) == 2 and all(r is not None for r in runs))
     for b, n in enumerate(lengths):
         expected, expected_lse, _ = flash_dmattn_func(q[b:b + 1], k_logical[b:b + 1, :n], v_logical[b:b + 1, :n],
                                                       attn_mask=mask[b:b + 1, ..., :n], attn_bias=bias[b:b + 1, ..., :n],

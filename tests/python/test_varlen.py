@@ -6,6 +6,7 @@ torch = pytest.importorskip("torch")
 from flash_dmattn import attention_reference, pack_mask  # noqa: E402
 from flash_dmattn.varlen import flash_dmattn_varlen_func  # noqa: E402
 from tolerance import assert_rounded, assert_within_baseline  # noqa: E402
+from torch_cases import route_fast_path  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -56,12 +57,7 @@ def test_packed_sequences_match_each_sequence_alone(device, is_causal, shapes, p
     """Both ways through the call: the packed sequences as they are (where the backend takes them;
     the test fails if it refused) and the padded batch."""
     import flash_dmattn.varlen as varlen
-    runs = []
-    if path == "padded":
-        monkeypatch.setattr(varlen, "_run_packed", lambda *args: None)
-    else:
-        run_packed = varlen._run_packed
-        monkeypatch.setattr(varlen, "_run_packed", lambda *args: runs.append(run_packed(*args)) or runs[-1])
+    runs = route_fast_path(monkeypatch, varlen, "_run_packed", path != "padded")
     generator = torch.Generator().manual_seed(7)
     lengths_q, lengths_k = [5, 0, 1, 13, 8], [7, 3, 1, 13, 4]
     H, Hk, D = 4, 2, 24

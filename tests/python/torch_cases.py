@@ -8,6 +8,19 @@ from flash_dmattn import attention_reference, flash_dmattn_func
 GRAD_NAMES = ("q", "k", "v", "bias")
 
 
+def route_fast_path(monkeypatch, module, name: str, taken: bool):
+    """Forces a front's fast path, module.<name> (which returns None where it declines the call), off
+    where not `taken`; otherwise records what it returns, in the list returned, for the test to check
+    that it ran."""
+    runs = []
+    if not taken:
+        monkeypatch.setattr(module, name, lambda *args: None)
+    else:
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args: runs.append(run(*args)) or runs[-1])
+    return runs
+
+
 def make_case(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype=torch.bfloat16, device="cpu",
               mask_shape=None, bias_shape=None, bias_dtype=None, keep=0.8, seed=0):
     """q, k, v, an optional bool mask (about `keep` of the keys kept) and an optional bias."""
