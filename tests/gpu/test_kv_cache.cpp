@@ -1,5 +1,5 @@
 // A KV cache (ForwardArgs::cache) on the CUDA backend: the newest Sq queries of every sequence
-// against its own cached keys, read through a scrambled block table (pages of 16 to 256 keys, so
+// against its own cached keys, read through a scrambled block table (pages of 1 to 256 keys, so
 // that a key tile spans several pages or lies inside one) or from a contiguous cache, with
 // lengths 0, 1, odd, shorter than Sq and past a page; decodes (GQA packing, split keys, the
 // decode ring), speculative rows and chunked prefill. Each sequence's out and lse against the
@@ -151,14 +151,17 @@ TEST_P(KvCacheForward, EachSequenceMatchesItsReference) {
 }
 
 // Decodes: a GQA group packed into one tile's rows, split keys, a 64- or 128-key tile over pages
-// of 16 and inside pages of 64; speculative rows (Sq 4, one shorter sequence); chunked prefill
+// of 16 and inside pages of 64, and over pages of 1 and 7; speculative rows (Sq 4, one shorter sequence); chunked prefill
 // (Sq 40 and 33, several warps' rows in the ring) from a contiguous and a paged cache.
 const auto kCases = ::testing::Values(
     CacheCase{{5, 1, 130, 0, 64, 300}, 1, 8, 2, 64, 16, {true, 2, false, true}, {true, 0, false, true}, true},
     CacheCase{{1000, 37, 513}, 1, 32, 8, 128, 64, {true, 8, false, true}, {true, 0, false, true}, false},
     CacheCase{{4, 300, 3}, 4, 4, 4, 128, 256, {true, 4, true, true}, {true, 1, false, true}, true},
     CacheCase{{40, 170, 77}, 40, 4, 2, 64, 0, {true, 0, true, true}, {true, 2, false, true}, true},
-    CacheCase{{33, 200}, 33, 2, 1, 128, 32, {true, 1, true, true}, {true, 2, true, true}, true});
+    CacheCase{{33, 200}, 33, 2, 1, 128, 32, {true, 1, true, true}, {true, 2, true, true}, true},
+    // Pages of 1 and 7 keys: a tile spans 64 (or 10) block-table entries that begin mid-page.
+    CacheCase{{300, 1, 129}, 1, 8, 2, 128, 1, {true, 2, false, true}, {true, 0, false, true}, false},
+    CacheCase{{450, 64, 3}, 2, 4, 4, 64, 7, {true, 4, true, true}, {true, 1, false, true}, true});
 
 INSTANTIATE_TEST_SUITE_P(Cases, KvCacheForward, kCases);
 

@@ -130,10 +130,20 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       if (p.block_table != nullptr) {
         const int* pages = p.block_table + b * p.block_table_stride;
         const Element* rows_h = static_cast<const Element*>(base) + kv_h * head_stride;
-        copy_rows_by_pointer_async<Element>(dst, tKVcKV, valid_rows, p.head_dim, [&](int row) {
-          const int key = n_block * kBlockN + row;
-          return rows_h + pages[key / p.page_size] * page_stride + (key % p.page_size) * row_stride;
-        });
+        // Serving engines' pages hold a power of two of keys: a shift and a mask then place a row,
+        // where an integer division per row sat on the ring's issue path.
+        if ((p.page_size & (p.page_size - 1)) == 0) {
+          const int shift = __ffs(p.page_size) - 1;
+          copy_rows_by_pointer_async<Element>(dst, tKVcKV, valid_rows, p.head_dim, [&](int row) {
+            const int key = n_block * kBlockN + row;
+            return rows_h + pages[key >> shift] * page_stride + (key & (p.page_size - 1)) * row_stride;
+          });
+        } else {
+          copy_rows_by_pointer_async<Element>(dst, tKVcKV, valid_rows, p.head_dim, [&](int row) {
+            const int key = n_block * kBlockN + row;
+            return rows_h + pages[key / p.page_size] * page_stride + (key % p.page_size) * row_stride;
+          });
+        }
         return;
       }
     }
