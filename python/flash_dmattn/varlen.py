@@ -168,7 +168,7 @@ def _run_packed(query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k, max_s
     softcap = 0.0 if softcap is None else float(softcap)
     _check_options(softmax_scale, softcap)
     mask, bias = _kernel_operands(mask, bias)
-    cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32) for t in (cu_seqlens_q, cu_seqlens_k))
+    cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
     try:
         return _PackedAttention.apply(query, key, value, mask, bias, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale, bool(is_causal), softcap, bool(deterministic))

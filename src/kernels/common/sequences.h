@@ -19,15 +19,17 @@ constexpr std::int64_t kElementBytes = 2;
 // unchanged.
 __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& params, int b) {
   ForwardParams p = params;
-  // A KV cache's batch b: its cached keys, which the validated lengths keep within seqlen_k.
-  if (params.seqlens_k != nullptr) p.seqlen_k = min(params.seqlens_k[b], params.seqlen_k);
+  // A KV cache's batch b: its cached keys. The front validates the lengths except under CUDA-graph
+  // capture, so they are clamped to [0, seqlen_k] here.
+  if (params.seqlens_k != nullptr) p.seqlen_k = max(0, min(params.seqlens_k[b], params.seqlen_k));
   if (params.cu_seqlens_q == nullptr) return p;
   const std::int64_t q0 = params.cu_seqlens_q[b], k0 = params.cu_seqlens_k[b];
   // The offsets are the caller's (the host cannot read them without waiting): a sequence longer
   // than the maxima would read mask, bias and summary past its rows of their layout, so its
-  // lengths are clamped to them (the torch front checks the offsets).
-  p.seqlen_q = static_cast<int>(min(std::int64_t(params.cu_seqlens_q[b + 1]) - q0, std::int64_t(params.seqlen_q)));
-  p.seqlen_k = static_cast<int>(min(std::int64_t(params.cu_seqlens_k[b + 1]) - k0, std::int64_t(params.seqlen_k)));
+  // lengths are clamped to them, and decreasing offsets give an empty sequence (the torch front
+  // checks the offsets).
+  p.seqlen_q = static_cast<int>(max(std::int64_t(0), min(std::int64_t(params.cu_seqlens_q[b + 1]) - q0, std::int64_t(params.seqlen_q))));
+  p.seqlen_k = static_cast<int>(max(std::int64_t(0), min(std::int64_t(params.cu_seqlens_k[b + 1]) - k0, std::int64_t(params.seqlen_k))));
   p.q = static_cast<const char*>(params.q) + kElementBytes * q0 * params.q_row_stride;
   p.k = static_cast<const char*>(params.k) + kElementBytes * k0 * params.k_row_stride;
   p.v = static_cast<const char*>(params.v) + kElementBytes * k0 * params.v_row_stride;
