@@ -69,7 +69,7 @@ def _run_cached(query, k_cache, v_cache, cache_seqlens, block_table, keys, mask,
 
 def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_table=None, attn_mask=None,
                               attn_bias=None, softmax_scale=None, is_causal=None, softcap=None,
-                              return_attn_probs=None):
+                              return_attn_probs=None, validate=True):
     """Attention of the newest queries of each sequence over its cached keys.
 
     Args:
@@ -88,6 +88,12 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
             it (bottom-right alignment per sequence); without it every query sees every cached key.
         softmax_scale, softcap: as in flash_dmattn_func.
         return_attn_probs: True returns (out, lse, None) with lse (B, H, Sq) float32.
+        validate: check cache_seqlens and the block-table entries each sequence reads, and raise
+            ValueError naming the bad one. The check reads a flag back from the GPU, so the host
+            waits for the work queued before the call. A serving loop whose lengths and tables
+            are right by construction passes False and nothing waits: lengths are then clamped
+            to [0, K], and a page index out of range is undefined behaviour (an illegal memory
+            access). Never made under torch.compile or CUDA-graph capture, which cannot wait.
 
     Returns:
         out (B, Sq, H, D), or the tuple above.
@@ -114,8 +120,8 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
     keys = block_table.size(1) * k_cache.size(1) if block_table is not None else k_cache.size(1)
     # Reading the values synchronizes with the GPU: not while torch.compile traces or a CUDA graph
     # is captured.
-    check = not torch.compiler.is_compiling() and not (cache_seqlens.is_cuda and
-                                                        torch.cuda.is_current_stream_capturing())
+    check = validate and not torch.compiler.is_compiling() and \
+        not (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())
     if check:  # one read of the GPU for both checks
         flags = [((cache_seqlens < 0) | (cache_seqlens > keys)).any()]
         if block_table is not None:

@@ -76,6 +76,16 @@ def test_bad_arguments_are_named():
         flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32))
 
 
+def test_validate_false_skips_only_the_check():
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 2, 8, dtype=torch.float16)
+    cache = torch.randn(4, 16, 2, 8, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([20, 16], dtype=torch.int32)
+    checked = flash_dmattn_with_kvcache(q, cache, cache, lengths, table)
+    assert torch.equal(flash_dmattn_with_kvcache(q, cache, cache, lengths, table, validate=False), checked)
+
+
 def test_a_page_a_sequence_reads_must_exist_and_an_empty_batch_runs():
     q = torch.zeros(2, 1, 2, 8, dtype=torch.float16)
     cache = torch.zeros(4, 16, 2, 8, dtype=torch.float16)
