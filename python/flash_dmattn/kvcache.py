@@ -91,9 +91,10 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
         validate: check cache_seqlens and the block-table entries each sequence reads, and raise
             ValueError naming the bad one. The check reads a flag back from the GPU, so the host
             waits for the work queued before the call. A serving loop whose lengths and tables
-            are right by construction passes False and nothing waits: lengths are then clamped
-            to [0, K], and a page index out of range is undefined behaviour (an illegal memory
-            access). Never made under torch.compile or CUDA-graph capture, which cannot wait.
+            are right by construction (and on the query's device) passes False and nothing waits:
+            lengths are then clamped to [0, K], and on CUDA a page index out of range is
+            undefined behaviour (an illegal memory access). The CPU backend checks both whatever
+            this says. Never made under torch.compile or CUDA-graph capture, which cannot wait.
 
     Returns:
         out (B, Sq, H, D), or the tuple above.
@@ -140,7 +141,9 @@ def flash_dmattn_with_kvcache(query, k_cache, v_cache, cache_seqlens, block_tabl
                          softmax_scale, is_causal, softcap)
     if cached is not None:
         return (cached[0], cached[1], None) if return_attn_probs else cached[0]
-    # The gathered copy: entries past a sequence's last page (any value) read page 0.
+    # The gathered copy: entries past a sequence's last page (any value) read page 0. Unchecked
+    # lengths are clamped to the cache, as the kernels clamp them.
+    cache_seqlens = cache_seqlens.clamp(0, keys)
     pages = None if block_table is None else \
         torch.where(_read_entries(block_table, cache_seqlens, k_cache.size(1)), block_table.long(), 0)
     k = _logical_keys(k_cache, pages, batch)

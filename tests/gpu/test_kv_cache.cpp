@@ -159,7 +159,8 @@ const auto kCases = ::testing::Values(
     CacheCase{{4, 300, 3}, 4, 4, 4, 128, 256, {true, 4, true, true}, {true, 1, false, true}, true},
     CacheCase{{40, 170, 77}, 40, 4, 2, 64, 0, {true, 0, true, true}, {true, 2, false, true}, true},
     CacheCase{{33, 200}, 33, 2, 1, 128, 32, {true, 1, true, true}, {true, 2, true, true}, true},
-    // Pages of 1 and 7 keys: a tile spans 64 (or 10) block-table entries that begin mid-page.
+    // Pages of 1 key (a shift of 0: a tile spans 64 block-table entries) and of 7 (the division:
+    // a D64 tile of 128 keys spans 19 or 20 entries and begins mid-page).
     CacheCase{{300, 1, 129}, 1, 8, 2, 128, 1, {true, 2, false, true}, {true, 0, false, true}, false},
     CacheCase{{450, 64, 3}, 2, 4, 4, 64, 7, {true, 4, true, true}, {true, 1, false, true}, true});
 

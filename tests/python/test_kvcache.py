@@ -76,14 +76,25 @@ def test_bad_arguments_are_named():
         flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([5, 9], dtype=torch.int32))
 
 
-def test_validate_false_skips_only_the_check():
+def test_validate_false_skips_only_the_check(monkeypatch):
+    """Good inputs give the same result either way. Unchecked, the gathered copy clamps a length
+    past the cache (causal rows included) to the cache's keys, as the kernels do; the CPU backend
+    checks lengths whatever `validate` says."""
+    import flash_dmattn.kvcache as kvcache
     torch.manual_seed(0)
-    q = torch.randn(2, 1, 2, 8, dtype=torch.float16)
+    q = torch.randn(2, 2, 2, 8, dtype=torch.float16)
     cache = torch.randn(4, 16, 2, 8, dtype=torch.float16)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    lengths = torch.tensor([20, 16], dtype=torch.int32)
-    checked = flash_dmattn_with_kvcache(q, cache, cache, lengths, table)
-    assert torch.equal(flash_dmattn_with_kvcache(q, cache, cache, lengths, table, validate=False), checked)
+    lengths = torch.tensor([20, 32], dtype=torch.int32)
+    checked = flash_dmattn_with_kvcache(q, cache, cache, lengths, table, is_causal=True)
+    assert torch.equal(flash_dmattn_with_kvcache(q, cache, cache, lengths, table, is_causal=True, validate=False),
+                       checked)
+    too_long = torch.tensor([20, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seqlens_k.*lengths in \\[0, K=32\\].*got 40"):
+        flash_dmattn_with_kvcache(q, cache, cache, too_long, table, is_causal=True, validate=False)
+    route_fast_path(monkeypatch, kvcache, "_run_cached", False)
+    gathered = flash_dmattn_with_kvcache(q, cache, cache, too_long, table, is_causal=True, validate=False)
+    torch.testing.assert_close(gathered, checked, atol=0, rtol=0)
 
 
 def test_a_page_a_sequence_reads_must_exist_and_an_empty_batch_runs():

@@ -20,7 +20,7 @@ constexpr std::int64_t kElementBytes = 2;
 __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& params, int b) {
   ForwardParams p = params;
   // A KV cache's batch b: its cached keys. The front validates the lengths except under CUDA-graph
-  // capture, so they are clamped to [0, seqlen_k] here.
+  // capture or when told not to (validate=False), so they are clamped to [0, seqlen_k] here.
   if (params.seqlens_k != nullptr) p.seqlen_k = max(0, min(params.seqlens_k[b], params.seqlen_k));
   if (params.cu_seqlens_q == nullptr) return p;
   const std::int64_t q0 = params.cu_seqlens_q[b], k0 = params.cu_seqlens_k[b];
