@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_ops
-from .interface import (_autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands,
+from .interface import (_autocast, _check_mask_bias_types, _check_operands, _checked_options, _kernel_operands,
                         _unpacked)
 
 
@@ -299,9 +299,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, attn_bias=None
     _check_mask_bias_types(query, attn_mask, attn_bias)
     # K and V are sent as they are: the ring's transfers need them contiguous.
     key, value = key.contiguous(), value.contiguous()
-    softmax_scale = None if softmax_scale is None else float(softmax_scale)
-    softcap = 0.0 if softcap is None else float(softcap)
-    _check_options(softmax_scale, softcap)
+    softmax_scale, softcap = _checked_options(softmax_scale, softcap)
     attn_mask, attn_bias = _kernel_operands(attn_mask, attn_bias)
     out, lse = _RingAttention.apply(query, key, value, attn_mask, attn_bias, softmax_scale, bool(is_causal), softcap,
                                     bool(deterministic), group)

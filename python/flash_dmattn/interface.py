@@ -272,11 +272,16 @@ def _plainly_valid(query, key, value, attn_mask, attn_bias) -> bool:
             (attn_bias is None or attn_bias.dtype == dtype or attn_bias.dtype == torch.float32))
 
 
-def _check_options(softmax_scale, softcap) -> None:
+def _checked_options(softmax_scale, softcap):
+    """(softmax_scale, softcap) as floats, checked: a scale of None stays None (1/sqrt(D) later),
+    a softcap of None is 0 (off)."""
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    softcap = 0.0 if softcap is None else float(softcap)
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         _fail(ValueError, "softmax_scale", f"expected a finite value > 0, got {softmax_scale}")
     if not (math.isfinite(softcap) and softcap >= 0):
         _fail(ValueError, "softcap", f"expected a finite value >= 0 (0 turns it off), got {softcap}")
+    return softmax_scale, softcap
 
 
 def _autocast(query, key, value, *biases):
@@ -460,9 +465,7 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
         _check_indices(attn_indices, query, key, check_indices is None or bool(check_indices))
     if attn_indices_bias is not None:
         _check_indexed_bias(attn_indices_bias, attn_indices, query)
-    softmax_scale = None if softmax_scale is None else float(softmax_scale)  # None: 1/sqrt(D) in the op
-    softcap = 0.0 if softcap is None else float(softcap)
-    _check_options(softmax_scale, softcap)
+    softmax_scale, softcap = _checked_options(softmax_scale, softcap)  # scale None: 1/sqrt(D) in the op
 
     indices = columns = None
     direct = attn_indices is not None and _indices_read_directly(query, key, attn_mask, attn_indices,

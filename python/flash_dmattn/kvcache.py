@@ -15,7 +15,7 @@ mask.
 import torch
 
 from . import _C, torch_ops
-from .interface import (_autocast, _check_operands, _check_options, _kernel_operands, _unpacked,
+from .interface import (_autocast, _check_operands, _checked_options, _kernel_operands, _unpacked,
                         flash_dmattn_func)
 
 
@@ -49,17 +49,15 @@ def _run_cached(query, k_cache, v_cache, cache_seqlens, block_table, keys, mask,
     # The checks flash_dmattn_func makes, on a stand-in for the logical (B, K, Hk, D) keys.
     logical = k_cache.new_empty(1).expand(batch, keys, *k_cache.shape[2:])
     _check_operands(query, logical, logical, mask, bias, None)
-    softmax_scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
-    softcap = 0.0 if softcap is None else float(softcap)
-    _check_options(softmax_scale, softcap)
+    softmax_scale, softcap = _checked_options(softmax_scale, softcap)
+    softmax_scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
     mask, bias = _kernel_operands(mask, bias)
     out = torch_ops._empty_like(query)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=query.device)
     args = torch_ops._forward_args(query, k_cache, v_cache, out, lse, mask, bias, softmax_scale, bool(is_causal), softcap)
     if query.is_cuda and not args.rows_aligned:
         return None
-    as_int32 = lambda t: None if t is None else t.to(device=query.device, dtype=torch.int32).contiguous()  # noqa: E731
-    _C.set_cache(args, as_int32(cache_seqlens), as_int32(block_table))
+    _C.set_cache(args, torch_ops._int32(cache_seqlens, query.device), torch_ops._int32(block_table, query.device))
     try:
         torch_ops._run(_C.forward, _C.forward_workspace_size, args, query.device)
     except NotImplementedError:  # (refused before any launch: the gathered copy runs instead)

@@ -35,6 +35,12 @@ _C.register_dtypes({torch.float16: "float16", torch.bfloat16: "bfloat16", torch.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _int32(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """t as the C++ API takes sequence offsets, lengths and block tables: int32, contiguous, on
+    `device` (None stays None)."""
+    return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+
+
 def _stream(t: torch.Tensor) -> int:
     """The current stream of t's device (0 for CPU tensors)."""
     if not t.is_cuda:

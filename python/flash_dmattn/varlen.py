@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from . import _C, torch_ops
-from .interface import (_autocast, _check_mask_bias_types, _check_operands, _check_options, _kernel_operands,
+from .interface import (_autocast, _check_mask_bias_types, _check_operands, _checked_options, _kernel_operands,
                         _unpacked, flash_dmattn_func)
 
 
@@ -164,11 +164,9 @@ def _run_packed(query, key, value, mask, bias, cu_seqlens_q, cu_seqlens_k, max_s
     query, key, value, bias = _autocast(query, key, value, bias)
     _check_operands(query[None], key[None], value[None], None, None, None)
     _check_mask_bias_types(query, mask, bias)
-    softmax_scale = None if softmax_scale is None else float(softmax_scale)
-    softcap = 0.0 if softcap is None else float(softcap)
-    _check_options(softmax_scale, softcap)
+    softmax_scale, softcap = _checked_options(softmax_scale, softcap)
     mask, bias = _kernel_operands(mask, bias)
-    cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32).contiguous() for t in (cu_seqlens_q, cu_seqlens_k))
+    cu_q, cu_k = (torch_ops._int32(t, query.device) for t in (cu_seqlens_q, cu_seqlens_k))
     try:
         return _PackedAttention.apply(query, key, value, mask, bias, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale, bool(is_causal), softcap, bool(deterministic))
