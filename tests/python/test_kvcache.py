@@ -107,3 +107,32 @@ def test_a_page_a_sequence_reads_must_exist_and_an_empty_batch_runs():
         flash_dmattn_with_kvcache(q, cache, cache, torch.tensor([20, 17], dtype=torch.int32), table)
     out = flash_dmattn_with_kvcache(q[:0], cache, cache, lengths[:0], table[:0])
     assert out.shape == (0, 1, 2, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_serving_calls_do_not_wait_for_the_gpu():
+    """A serving loop's calls (a paged decode unchecked, a plain decode with mask and bias) queue
+    their kernels without a host-device synchronization; the checked paged call does wait, which
+    shows the debug mode sees one."""
+    torch.manual_seed(0)
+    B, H, Hk, D, page, pages = 2, 8, 2, 64, 16, 4
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(B * pages, page, Hk, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+    lengths = torch.tensor([50, 64], device="cuda", dtype=torch.int32)
+    k = torch.randn(B, 300, Hk, D, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(B, Hk, 1, 300, device="cuda") < 0.5
+    bias = torch.randn(B, Hk, 1, 300, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # the first calls may set things up (module load, device queries)
+        flash_dmattn_with_kvcache(q, cache, cache, lengths, table, validate=False)
+        flash_dmattn_func(q, k, k, attn_mask=mask, attn_bias=bias)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash_dmattn_with_kvcache(q, cache, cache, lengths, table, validate=False)
+        flash_dmattn_func(q, k, k, attn_mask=mask, attn_bias=bias)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            flash_dmattn_with_kvcache(q, cache, cache, lengths, table)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -30,18 +30,19 @@ __device__ __forceinline__ ForwardCta forward_cta(const ForwardParams& p, int bl
 }
 
 // Launches `kernel(args)` over the grid of query tiles of block_m rows, with kSmem bytes of
-// dynamic shared memory.
+// dynamic shared memory, in `order` against the stream's previous kernel (launch.h).
 template <int kSmem, typename KernelArgs>
 cudaError_t launch_query_tiles(void (*kernel)(KernelArgs), const KernelArgs& args, const ForwardParams& p, int block_m,
-                               unsigned threads, cudaStream_t stream) {
-  return launch_folded<kSmem>(kernel, forward_grid_shape(p, block_m), threads, stream, args);
+                               unsigned threads, cudaStream_t stream, StreamOrder order = StreamOrder::serial) {
+  return launch_folded<kSmem>(kernel, forward_grid_shape(p, block_m), threads, stream, order, args);
 }
 
 // Launches a forward kernel of Traits over that grid on `stream`, with the dynamic shared memory
 // its tiles take.
 template <typename Traits>
-cudaError_t launch_forward(void (*kernel)(ForwardParams), const ForwardParams& p, cudaStream_t stream) {
-  return launch_query_tiles<Traits::kSmemBytes>(kernel, p, p, Traits::kBlockM, Traits::kNThreads, stream);
+cudaError_t launch_forward(void (*kernel)(ForwardParams), const ForwardParams& p, cudaStream_t stream,
+                           StreamOrder order = StreamOrder::serial) {
+  return launch_query_tiles<Traits::kSmemBytes>(kernel, p, p, Traits::kBlockM, Traits::kNThreads, stream, order);
 }
 
 }  // namespace flash_dmattn::kernels

@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kListThreads) index_lists_kernel(const KeyList
   extern __shared__ std::uint32_t bitmap[];  // [words] the marks, then [words] each word's rank
   __shared__ int warp_totals[kListWarps];
   const GridCoords c = unfold_block(GridShape{e.query_tiles(), e.heads, e.batches});
+  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   const std::int64_t list = (std::int64_t(c.z) * e.heads + c.y) * e.query_tiles() + c.x;
   const int m_begin = c.x * e.block_m, rows = min(e.block_m, e.seqlen_q - m_begin);
   // Keys past the last row's causal limit are seen by no row of the tile.

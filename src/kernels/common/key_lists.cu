@@ -47,6 +47,7 @@ __device__ __forceinline__ int nonempty_blocks(std::uint32_t word, int words_per
 __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent e, const TileSummary s,
                                                              const ListOutput out) {
   const GridCoords c = unfold_block(key_list_grid_shape(e));
+  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   const int m_begin = c.x * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
   const std::int64_t list = (std::int64_t(c.z) * e.heads + c.y) * e.query_tiles() + c.x;
   const std::uint32_t* bits = s.bits + c.z * s.bits_batch_stride + c.y * s.bits_head_stride;

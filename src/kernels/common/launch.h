@@ -1,7 +1,8 @@
-// What every kernel launch needs: its grid folded into grid.x, and dynamic shared memory above
-// 48 KB allowed first.
+// What every kernel launch needs: its grid folded into grid.x, dynamic shared memory above 48 KB
+// allowed first, and its order against the kernel before it on the stream.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -50,19 +51,82 @@ struct GridCoords {
   int x, y, z;
 };
 
+// How a launch orders against the kernel before it on the stream. serial: it starts once that
+// kernel has finished. early: on sm_90 and later (programmatic dependent launch) its CTAs may start
+// as soon as every CTA of that kernel has called let_next_grid_start() (or finished), so its launch
+// and CTA start overlap that kernel's tail; the kernel must call wait_for_previous_grid() before
+// it reads or writes any memory but its parameters. A decode's three kernels (summary, split
+// forward, combine) are short enough for those gaps to count.
+enum class StreamOrder { serial, early };
+
+// Whether the current device honours StreamOrder::early (compute capability 9.0 or newer), looked
+// up once per device: a launch path pays no attribute query.
+inline bool early_launch_supported() {
+  constexpr int kDevices = 64;
+  static std::atomic<signed char> known[kDevices];  // 0: not looked up, 1: supported, -1: not
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  signed char state = known[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+    state = major >= 9 ? 1 : -1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state > 0;
+}
+
 #ifdef __CUDACC__
 // Launches kernel(args...) on `stream` over the grid of `shape` folded into grid.x, with kSmem
-// bytes of dynamic shared memory; cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (the CUDA
-// backend refuses such problems before any launch, cannot_run in cuda_backend.cpp).
+// bytes of dynamic shared memory, in the given order against the stream's previous kernel;
+// cudaErrorInvalidConfiguration past 2^31 - 1 CTAs (the CUDA backend refuses such problems before
+// any launch, cannot_run in cuda_backend.cpp).
 template <int kSmem, typename... Params, typename... Args>
 cudaError_t launch_folded(void (*kernel)(Params...), const GridShape& shape, unsigned threads, cudaStream_t stream,
-                          const Args&... args) {
+                          StreamOrder order, const Args&... args) {
   const std::int64_t ctas = shape.x * shape.y * shape.z;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
   if (status != cudaSuccess) return status;
+  if (order == StreamOrder::early && early_launch_supported()) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(ctas));
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = kSmem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+  }
   kernel<<<static_cast<unsigned>(ctas), threads, kSmem, stream>>>(args...);
   return cudaGetLastError();
+}
+
+template <int kSmem, typename... Params, typename... Args>
+cudaError_t launch_folded(void (*kernel)(Params...), const GridShape& shape, unsigned threads, cudaStream_t stream,
+                          const Args&... args) {
+  return launch_folded<kSmem>(kernel, shape, threads, stream, StreamOrder::serial, args...);
+}
+
+// In a kernel launched with StreamOrder::early: blocks until the stream's previous kernel has
+// finished and its writes are visible. Elsewhere (a serial launch, or before sm_90) it returns at
+// once.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream, where it was launched with StreamOrder::early, start its CTAs
+// (they wait in wait_for_previous_grid() until this kernel has finished). A kernel itself started
+// early calls it after its own wait, so that an early kernel only ever overlaps the one before it.
+__device__ __forceinline__ void let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // This CTA's (x, y, z) in a grid of `shape` launched by launch_folded.

@@ -34,6 +34,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
   __shared__ float weight[kMaxSplits];
   __shared__ float scratch[kWarps];
   __shared__ float4 warp_sums[kWarps][kMaxHeadDim / 4];
+  // Launched early: its CTAs start during the split forward's tail and wait here for its partials.
+  wait_for_previous_grid();
+  let_next_grid_start();
   const std::int64_t rows = std::int64_t(p.batch) * p.heads * p.seqlen_q, row = blockIdx.x;
   const int i = static_cast<int>(row % p.seqlen_q), h = static_cast<int>((row / p.seqlen_q) % p.heads);
   const int b = static_cast<int>(row / (std::int64_t(p.seqlen_q) * p.heads));
@@ -86,8 +89,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 cudaError_t combine_split_partials(const ForwardParams& params, cudaStream_t stream) {
   const GridShape rows{std::int64_t(params.batch) * params.heads * params.seqlen_q, 1, 1};  // a CTA per row
   return params.element == ElementType::bfloat16
-             ? launch_folded<0>(&combine_kernel<__nv_bfloat16>, rows, kThreads, stream, params)
-             : launch_folded<0>(&combine_kernel<__half>, rows, kThreads, stream, params);
+             ? launch_folded<0>(&combine_kernel<__nv_bfloat16>, rows, kThreads, stream, StreamOrder::early, params)
+             : launch_folded<0>(&combine_kernel<__half>, rows, kThreads, stream, StreamOrder::early, params);
 }
 
 }  // namespace flash_dmattn::kernels

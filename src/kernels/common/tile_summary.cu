@@ -90,6 +90,7 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
   __shared__ std::uint32_t words[kSummaryBlock][kStripWords];
   __shared__ __align__(8) std::uint8_t flags[8];
   const GridCoords cta = unfold_block(summary_grid_shape(mask));
+  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = blocks_of(mask.rows);
   const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
   const std::int64_t r0 = std::int64_t(cta.y) * kSummaryBlock;
@@ -216,6 +217,7 @@ __host__ __device__ GridShape row_summary_grid_shape(const MaskExtent& mask) {
 __global__ void __launch_bounds__(kThreads) row_summary_kernel(MaskExtent mask, std::uint8_t* out,
                                                                 std::uint32_t* bits_out) {
   const GridCoords cta = unfold_block(row_summary_grid_shape(mask));
+  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
   const std::uint8_t* row = mask.ptr + b * mask.batch_stride + h * mask.head_stride;
   const bool aligned = mask.col_stride == 1 && reinterpret_cast<std::uintptr_t>(row) % 16 == 0;
@@ -275,6 +277,7 @@ __global__ void __launch_bounds__(kThreads) packed_summary_kernel(MaskExtent mas
                                                                    std::uint32_t* bits_out) {
   __shared__ unsigned flags[kPackedRowGroups][kPackedCtaBlocks];
   const GridCoords cta = unfold_block(packed_summary_grid_shape(mask));
+  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = blocks_of(mask.rows);
   const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
   const std::int64_t r0 = std::int64_t(cta.y) * kSummaryBlock;

@@ -14,6 +14,10 @@ namespace flash_dmattn::kernels::sm80 {
 template <typename Traits, KeySource kSource, KvPipeline kPipeline = KvPipeline::two_phase>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) forward_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(128) char smem[];
+  // Launched early (StreamOrder::early): the mask summary or key lists before it, or the caller's
+  // kernels, may still be writing what it reads.
+  wait_for_previous_grid();
+  let_next_grid_start();  // the split-KV combine
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
   const ForwardParams p = for_sequence(params, cta.batch);
@@ -36,17 +40,18 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
     if constexpr (Traits::kHasRing) {
       if (params.kv_ring) {
         return launch_query_tiles<Traits::kRingSmemBytes>(&forward_kernel<Traits, KeySource::tiles, KvPipeline::ring>,
-                                                          params, params, Traits::kBlockM, Traits::kNThreads, stream);
+                                                          params, params, Traits::kBlockM, Traits::kNThreads, stream,
+                                                          StreamOrder::early);
       }
     }
     if (params.kv_ring || params.seqlens_k != nullptr) return cudaErrorInvalidValue;
-    return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream);
+    return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream, StreamOrder::early);
   }
   // Lists built for another tile would have their row bits read at the wrong places (and past
   // their end): the plan and this instantiation must agree.
   if (params.lists.block_m != Traits::kBlockM || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   return launch_query_tiles<gather_smem_bytes<Traits>()>(&forward_kernel<Traits, KeySource::lists>, params, params,
-                                                         Traits::kBlockM, Traits::kNThreads, stream);
+                                                         Traits::kBlockM, Traits::kNThreads, stream, StreamOrder::early);
 }
 
 }  // namespace flash_dmattn::kernels::sm80
