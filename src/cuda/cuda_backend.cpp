@@ -155,7 +155,7 @@ struct ForwardPlan {
   int pack_group = 1;
   int num_splits = 1;
   bool gather = false;  // the gather path: key lists (sm80 kernels unless gather_forward_family says sm90a)
-  bool kv_ring = false;  // the sm80 tile path's ring of K/V stages (ForwardParams::kv_ring)
+  kernels::KvPipeline kv_pipeline = kernels::KvPipeline::two_phase;  // the sm80 tile path's (ForwardParams')
   kernels::KeyListExtent lists;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0, lists_bytes = 0;
 
@@ -395,6 +395,7 @@ std::optional<std::string> indices_cannot_run(const Problem& p, BackendImpl::Pas
 }
 
 constexpr std::int64_t kUnsplitKeyTiles = 2;
+constexpr std::int64_t kSplitKeysMinKeys = 128;
 
 ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   ForwardPlan plan;
@@ -433,8 +434,10 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   } else {
     plan.family = choose_family(p, arch, Pass::forward);
     // Decodes (packed rows in one 16-row slab) and KV caches (cannot_run: only where it fits).
-    plan.kv_ring = plan.family == KernelFamily::sm80 &&
-                   (p.seqlen_q * plan.pack_group <= kDecodePackedRows || p.cached) && ring_fits(p);
+    if (plan.family == KernelFamily::sm80 && (p.seqlen_q * plan.pack_group <= kDecodePackedRows || p.cached) &&
+        ring_fits(p)) {
+      plan.kv_pipeline = kernels::KvPipeline::ring;
+    }
   }
 
   // Split the keys when the grid has fewer CTAs than the GPU runs at once: aim at one wave.
@@ -459,6 +462,18 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
   if (ctas > 0 && ctas < slots && key_tiles > kUnsplitKeyTiles && !p.packed) {
     plan.num_splits = static_cast<int>(
         std::min<std::int64_t>({(slots + ctas - 1) / ctas, key_tiles, kernels::kMaxSplits}));
+  }
+  // A ring CTA whose packed rows fit one slab and that walks keys enough has its warps split
+  // them: one warp's math per tile was what the CTA waited on, and the split costs a merge at the
+  // end. Measured on an H200 (kernel spans by the torch profiler, B1 H32/8 Sq1, mask + bias;
+  // serving-suite gpu ms): 64 keys a CTA (D128 Sk 1024) 11.3 -> 11.7 us; 128 keys a CTA (D128 Sk
+  // 4096, D64 Sk 1024) 0.021 -> 0.021 ms and 11.9 -> 11.6 us; D128 Sk 65536 83.8 -> 80.7 us; D64
+  // Sk 65536 69.2 -> 50.0 us, D64 B64 Sk 4096 196.7 -> 138.7 us; B64 of 4k to 32k keys (D128,
+  // unsplit) 1.445 -> 1.313 ms.
+  if (plan.kv_pipeline == kernels::KvPipeline::ring && rows <= kDecodePackedRows &&
+      kernels::sm80::has_split_keys_ring(static_cast<int>(p.head_dim)) &&
+      (key_tiles + plan.num_splits - 1) / plan.num_splits * tile.block_n >= kSplitKeysMinKeys) {
+    plan.kv_pipeline = kernels::KvPipeline::ring_split_keys;
   }
   if (plan.num_splits > 1) {
     const std::size_t row_count = static_cast<std::size_t>(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
@@ -855,7 +870,7 @@ class CudaSm80Backend final : public BackendImpl {
     char* workspace = static_cast<char*>(a.workspace.data);
     params.pack_group = plan.pack_group;
     params.num_splits = plan.num_splits;
-    params.kv_ring = plan.kv_ring;
+    params.kv_pipeline = plan.kv_pipeline;
     if (plan.num_splits > 1) {
       params.partial_out = reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes));
       params.partial_lse =

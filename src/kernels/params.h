@@ -61,6 +61,18 @@ inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
 
 inline constexpr int kSummaryBlock = 64;
+
+// How the sm80 forward's tile path streams K and V (fwd_mainloop.h), chosen by the host
+// (plan_forward in cuda_backend.cpp). two_phase: K of the next active tile loads behind this one's
+// softmax and P·V, and V behind its S (FlashAttention-2's order: one tile in flight), which the
+// math of 16 rows per warp hides. ring: ring_stages() tiles of K and V in flight, and each tile's
+// bias and mask bits loaded before its S, for KV caches and decodes, where a CTA's math is a few
+// rows and every load's latency would show; only it reads pages. ring_split_keys: the ring for
+// tiles whose packed rows fit one warp's 16-row slab (decodes), with the warps splitting each
+// tile's keys instead of its rows: every warp computes the slab over its block_n / warps keys with
+// its own online softmax, and the warps' partial outputs meet at the end. In the ring one warp
+// holds every row and does all of a tile's math while the others only load.
+enum class KvPipeline : int { two_phase, ring, ring_split_keys };
 inline constexpr std::uint8_t kTileHasVisible = 1;
 inline constexpr std::uint8_t kTileHasHidden = 2;
 
@@ -103,10 +115,10 @@ struct ForwardParams {
   const int* block_table = nullptr;
   std::int64_t block_table_stride = 0;
   int page_size = 0;
-  // The sm80 forward runs its ring of K/V stages (KvPipeline::ring): the host picks it for decodes
-  // (a tile's packed rows fit one 16-row slab) and KV caches, where its shared memory fits the
-  // device; other decodes take the two-phase kernel, and KV caches need the ring.
-  bool kv_ring = false;
+  // The sm80 tile path's K/V streaming: the host picks a ring for decodes (a tile's packed rows
+  // fit one 16-row slab) and KV caches, where its shared memory fits the device; other decodes
+  // take the two-phase kernel, and KV caches need a ring.
+  KvPipeline kv_pipeline = KvPipeline::two_phase;
   float scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool causal = false;

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "kernels/common/forward_grid.h"
 #include "kernels/common/sequences.h"
 #include "kernels/params.h"
@@ -33,18 +35,27 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   // The gather path is a kernel of its own, so that its code does not weigh on the tile path's.
   if (!params.lists.keys) {
     // A decode's packed rows fill one warp's 16-row slab at most: the ring keeps its loads ahead.
-    // KV caches run it at every Sq: only it reads pages (the host sets kv_ring, plan_forward).
+    // KV caches run it at every Sq: only it reads pages (the host sets kv_pipeline, plan_forward).
     // Benchmark serving suite, D128 decodes with mask and bias, gpu ms, two-phase -> ring (H200s,
     // one run each): B1 H32/8 Sk 65536 0.091 -> 0.084, B64 Sk 4096 0.294 -> 0.253, B64 of 4k to
     // 32k keys 1.701 -> 1.403; Sk 1024 to 16384 unchanged (0.018 to 0.036).
+    if constexpr (Traits::kHasSplitKeysRing) {
+      if (params.kv_pipeline == KvPipeline::ring_split_keys) {
+        // Its warps hold the one 16-row slab of packed rows.
+        if (std::int64_t(params.seqlen_q) * params.pack_group > 16) return cudaErrorInvalidValue;
+        return launch_query_tiles<Traits::kRingSmemBytes>(
+            &forward_kernel<Traits, KeySource::tiles, KvPipeline::ring_split_keys>, params, params, Traits::kBlockM,
+            Traits::kNThreads, stream, StreamOrder::early);
+      }
+    }
     if constexpr (Traits::kHasRing) {
-      if (params.kv_ring) {
+      if (params.kv_pipeline == KvPipeline::ring) {
         return launch_query_tiles<Traits::kRingSmemBytes>(&forward_kernel<Traits, KeySource::tiles, KvPipeline::ring>,
                                                           params, params, Traits::kBlockM, Traits::kNThreads, stream,
                                                           StreamOrder::early);
       }
     }
-    if (params.kv_ring || params.seqlens_k != nullptr) return cudaErrorInvalidValue;
+    if (params.kv_pipeline != KvPipeline::two_phase || params.seqlens_k != nullptr) return cudaErrorInvalidValue;
     return launch_forward<Traits>(&forward_kernel<Traits, KeySource::tiles>, params, stream, StreamOrder::early);
   }
   // Lists built for another tile would have their row bits read at the wrong places (and past

@@ -36,12 +36,53 @@ constexpr int gather_smem_bytes() {
   return gather_staging_offset<Traits>() + GatheredKeys<Traits::kBlockM, Traits::kBlockN, kForwardGatherStages>::kSmemBytes;
 }
 
-// How the tile path's K and V tiles arrive. two_phase: K of the next active tile loads behind this
-// one's softmax and P·V, and V behind its S (FlashAttention-2's order: one tile in flight), which
-// the math of 16 rows per warp hides. ring: Traits::kRingStages tiles of K and V in flight, and each
-// tile's bias and mask bits loaded before its S, for decode tiles (one 16-row slab of packed
-// rows), where a CTA's math is a warp's few rows and every load's latency would show.
-enum class KvPipeline { two_phase, ring };
+// The end of the ring whose warps split the keys (KvPipeline::ring_split_keys): warps 1.. hand
+// their part of the slab's rows (reference max, sum and output, each over the warp's keys) to warp
+// 0 through `exchange` (shared memory free once every K/V stage has been read), which rescales
+// every part to the largest reference and sums them. All warps hold the slab in one fragment
+// layout (the one-warp MMA's), so a thread reads what the threads of its lane wrote. o: the (rows,
+// cols) view of the output accumulator.
+template <int kWarps, int kRows, typename TensorO>
+__device__ __forceinline__ void merge_key_shares(float* exchange, TensorO& o, OnlineSoftmax<kRows>& softmax) {
+  using namespace cute;
+  constexpr int kCols = decltype(size<1>(o))::value;
+  constexpr int kFloats = kRows * (kCols + 2);  // what a thread hands over
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto slot = [&](int from_warp, int i) -> float& { return exchange[((from_warp - 1) * kFloats + i) * 32 + lane]; };
+  if (warp > 0) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      slot(warp, r) = softmax.row_max[r];
+      slot(warp, kRows + r) = softmax.row_sum[r];
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) slot(warp, 2 * kRows + r * kCols + c) = o(r, c);
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  // A part whose reference is -inf saw no visible key: it weighs 0 (its sum and output are 0).
+  auto weight = [](float part_max, float merged_max) {
+    return part_max == -INFINITY ? 0.f : exp2f((part_max - merged_max) * kLog2e);
+  };
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float merged = softmax.row_max[r];
+    CUTE_UNROLL
+    for (int w = 1; w < kWarps; ++w) merged = fmaxf(merged, slot(w, r));
+    const float own = weight(softmax.row_max[r], merged);
+    softmax.row_max[r] = merged;
+    softmax.row_sum[r] *= own;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) o(r, c) *= own;
+    CUTE_UNROLL
+    for (int w = 1; w < kWarps; ++w) {
+      const float part = weight(slot(w, r), merged);
+      softmax.row_sum[r] += part * slot(w, kRows + r);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) o(r, c) += part * slot(w, 2 * kRows + r * kCols + c);
+    }
+  }
+}
 
 template <typename Traits, KeySource kSource, KvPipeline kPipeline = KvPipeline::two_phase>
 __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem, int m_block, int grid_head, int b,
@@ -107,10 +148,23 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
-  constexpr int kCols = decltype(size<1>(make_tensor(tScS.data(), accumulator_as_rows_cols(tScS.layout()))))::value;
+  // With the warps splitting the keys, each holds the slab's rows at their share of the keys: S of a one-warp
+  // MMA over (16 rows, kWarpKeys keys), at its place in the tile.
+  const auto tScS_policy = [&] {
+    if constexpr (kPipeline == KvPipeline::ring_split_keys) {
+      typename Traits::SlabMma slab_mma;
+      return slab_mma.get_thread_slice(tid % 32).partition_C(
+          local_tile(make_identity_tensor(Shape<_16, Int<kBlockN>>{}), Shape<_16, Int<Traits::kWarpKeys>>{},
+                     make_coord(0, tid / 32)));
+    } else {
+      return tScS;
+    }
+  }();
+  constexpr int kCols =
+      decltype(size<1>(make_tensor(tScS_policy.data(), accumulator_as_rows_cols(tScS_policy.layout()))))::value;
 
   using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
-  const Policy policy(p, b, rows, row0, tScS);
+  const Policy policy(p, b, rows, row0, tScS_policy);
   SplitTileWalk<Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
   OnlineSoftmax<kRows> softmax;
   softmax.init();
@@ -126,7 +180,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   auto load_kv = [&](const auto& tiles_g, const void* base, std::int64_t page_stride, std::int64_t row_stride,
                      std::int64_t head_stride, auto&& dst, int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
     const int valid_rows = p.seqlen_k - n_block * kBlockN;
-    if constexpr (kPipeline == KvPipeline::ring) {
+    if constexpr (kPipeline != KvPipeline::two_phase) {
       if (p.block_table != nullptr) {
         const int* pages = p.block_table + b * p.block_table_stride;
         const Element* rows_h = static_cast<const Element*>(base) + kv_h * head_stride;
@@ -160,7 +214,7 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   // tile holds a handful of rows) skips the MMAs and the softmax but keeps loading and meeting
   // the barriers: the MMAs of the padding rows were half of the decode time.
   static_assert(kBlockM == 16 * Traits::kNWarps, "one 16-row slab per warp");
-  const bool warp_has_rows = threadIdx.x / 32 * 16 < tile_rows;
+  const bool warp_has_rows = kPipeline == KvPipeline::ring_split_keys || threadIdx.x / 32 * 16 < tile_rows;
 
   // The two halves of a step, on the K and V tiles in shared memory that tSsK_ and tOsVt_ read.
   // S = Q·Kᵀ, turned into logits by mask_logits(acc_s):
@@ -226,47 +280,98 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       cp_async_wait<0>();
       __syncthreads();  // chunk c + 1's rows and chunk c + 2's keys have landed; chunk c is read
     }
-  } else if constexpr (kPipeline == KvPipeline::ring) {
+  } else if constexpr (kPipeline != KvPipeline::two_phase) {
     // Tile i of the walk lands in stage i % kStages; the loop's step i waits for it and then
-    // issues tile i + kStages - 1 into the stage step i - 1 read.
+    // issues tile i + kStages - 1 into the stage step i - 1 read. step(stage, n_block,
+    // elementwise, inputs) computes the tile in `stage`.
     constexpr int kStages = Traits::kRingStages;
     constexpr int kStageElems = 2 * decltype(size(sK))::value;  // from one stage's K (and V) to the next's
-    struct Pending {
-      int n_block;  // -1: past the walk's end
-      bool elementwise;
-    };
-    Pending pending[kStages - 1];
-    int next = tiles.first(), issued = 0;
-    auto issue_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-      const Pending tile{next, next >= 0 && tiles.needs_elementwise(next)};  // (valid until the walk moves)
-      if (next >= 0) {
-        const int stage = issued % kStages;
-        load_k(next, at_stage(tKsK, stage, kStageElems));
-        load_v(next, at_stage(tVsV, stage, kStageElems));
-        next = tiles.at_or_below(next - 1);
-      }
-      cp_async_fence();  // an empty group too: the waits below count groups
-      ++issued;
-      return tile;
-    };
-    CUTE_UNROLL
-    for (int s = 0; s < kStages - 1; ++s) pending[s] = issue_next();
-    for (int stage = 0; pending[0].n_block >= 0; stage = stage + 1 == kStages ? 0 : stage + 1) {
-      const Pending tile = pending[0];
-      typename Policy::TileInputs inputs;
-      if (warp_has_rows) policy.load_inputs(inputs, tScS, tile.n_block, tile.elementwise);
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // this tile's K and V have landed; every warp is done reading the stage refilled next
+    auto run_ring = [&](auto&& step) CUTLASS_LAMBDA_FUNC_INLINE {
+      struct Pending {
+        int n_block;  // -1: past the walk's end
+        bool elementwise;
+      };
+      Pending pending[kStages - 1];
+      int next = tiles.first(), issued = 0;
+      auto issue_next = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        const Pending tile{next, next >= 0 && tiles.needs_elementwise(next)};  // (valid until the walk moves)
+        if (next >= 0) {
+          const int stage = issued % kStages;
+          load_k(next, at_stage(tKsK, stage, kStageElems));
+          load_v(next, at_stage(tVsV, stage, kStageElems));
+          next = tiles.at_or_below(next - 1);
+        }
+        cp_async_fence();  // an empty group too: the waits below count groups
+        ++issued;
+        return tile;
+      };
       CUTE_UNROLL
-      for (int s = 0; s + 2 < kStages; ++s) pending[s] = pending[s + 1];
-      pending[kStages - 2] = issue_next();
-      if (warp_has_rows) {
+      for (int s = 0; s < kStages - 1; ++s) pending[s] = issue_next();
+      for (int stage = 0; pending[0].n_block >= 0; stage = stage + 1 == kStages ? 0 : stage + 1) {
+        const Pending tile = pending[0];
+        typename Policy::TileInputs inputs;
+        if (warp_has_rows) policy.load_inputs(inputs, tScS_policy, tile.n_block, tile.elementwise);
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // this tile's K and V have landed; every warp is done reading the stage refilled next
+        CUTE_UNROLL
+        for (int s = 0; s + 2 < kStages; ++s) pending[s] = pending[s + 1];
+        pending[kStages - 2] = issue_next();
+        if (warp_has_rows) step(stage, tile.n_block, tile.elementwise, inputs);
+      }
+    };
+    if constexpr (kPipeline == KvPipeline::ring) {
+      run_ring([&](int stage, int n_block, bool elementwise, const auto& inputs) CUTLASS_LAMBDA_FUNC_INLINE {
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
         scores(acc_s, at_stage(tSsK, stage, kStageElems), [&](auto& s) CUTLASS_LAMBDA_FUNC_INLINE {
-          policy.apply(s, tScS, tile.n_block, tile.elementwise, inputs);
+          policy.apply(s, tScS, n_block, elementwise, inputs);
         });
         accumulate(acc_s, at_stage(tOsVt, stage, kStageElems));
-      }
+      });
+    } else {
+      // Warp w computes the slab (packed rows 0..15) over keys [w, w + 1) · kWarpKeys of each tile.
+      constexpr int kWarpKeys = Traits::kWarpKeys;
+      static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole MMA k-steps of P·V");
+      const int warp = tid / 32, lane = tid % 32;
+      typename Traits::SlabMma slab_mma;
+      auto slab_thr = slab_mma.get_thread_slice(lane);
+      Tensor sQ_slab = local_tile(sQ, Shape<_16, Int<kHeadDim>>{}, make_coord(0, 0));
+      Tensor sK_warp = local_tile(sK, Shape<Int<kWarpKeys>, Int<kHeadDim>>{}, make_coord(warp, 0));
+      Tensor sVt_warp = local_tile(sVt, Shape<Int<kHeadDim>, Int<kWarpKeys>>{}, make_coord(0, warp));
+      Tensor rQ = slab_thr.partition_fragment_A(sQ_slab);
+      Tensor rK = slab_thr.partition_fragment_B(sK_warp);
+      Tensor rVt = slab_thr.partition_fragment_B(
+          local_tile(sVtNoSwizzle, Shape<Int<kHeadDim>, Int<kWarpKeys>>{}, make_coord(0, warp)));
+      auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, slab_mma);
+      auto thr_q = copy_q.get_thread_slice(lane);
+      auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, slab_mma);
+      auto thr_k = copy_k.get_thread_slice(lane);
+      auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, slab_mma);
+      auto thr_v = copy_v.get_thread_slice(lane);
+      Tensor sQ_src = thr_q.partition_S(sQ_slab);
+      Tensor sK_src = thr_k.partition_S(sK_warp);
+      Tensor sVt_src = thr_v.partition_S(sVt_warp);
+      // Warp 0's rows of the CTA's output fragment are the slab's: the same registers serve as
+      // the one-warp MMA's accumulator and as the epilogue's.
+      Tensor acc_o_slab = make_tensor(acc_o.data(), partition_fragment_C(slab_mma, Shape<_16, Int<kHeadDim>>{}).layout());
+      static_assert(decltype(size(acc_o_slab))::value == decltype(size(acc_o))::value);
+      run_ring([&](int stage, int n_block, bool elementwise, const auto& inputs) CUTLASS_LAMBDA_FUNC_INLINE {
+        Tensor acc_s = partition_fragment_C(slab_mma, Shape<_16, Int<kWarpKeys>>{});
+        clear(acc_s);
+        gemm_smem_smem(acc_s, rQ, rK, sQ_src, at_stage(sK_src, stage, kStageElems), slab_mma, copy_q, copy_k, thr_q,
+                       thr_k);
+        policy.apply(acc_s, tScS_policy, n_block, elementwise, inputs);
+        Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
+        softmax.update(acc_s_rows, acc_o_rows);
+        Tensor probabilities = convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
+        gemm_reg_smem(acc_o_slab, tOrP, rVt, at_stage(sVt_src, stage, kStageElems), slab_mma, copy_v, thr_v);
+      });
+      cp_async_wait<0>();
+      __syncthreads();  // every stage has been read: the stages' memory carries the warps' parts
+      static_assert(Traits::kRingStages * Traits::kKVTileBytes * 2 >=
+                        (Traits::kNWarps - 1) * 32 * kRows * (decltype(size<1>(acc_o_rows))::value + 2) * 4,
+                    "the warps' parts fit the K/V stages");
+      merge_key_shares<Traits::kNWarps>(reinterpret_cast<float*>(smem + Traits::kQBytes), acc_o_rows, softmax);
     }
   } else {
     // Key tiles, last first. K of the next active tile loads while this one's softmax and P·V

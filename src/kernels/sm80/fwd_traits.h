@@ -59,6 +59,14 @@ struct ForwardTraits {
   static_assert(kRingSmemBytes == ring_smem_bytes(kHeadDim), "the host's count of the ring's shared memory");
   static constexpr bool kHasRing = has_ring(kHeadDim);
   static_assert(!kHasRing || kRingSmemBytes <= 163 * 1024, "the ring's stages exceed an A100 CTA's shared memory");
+
+  // The ring whose warps split the keys (KvPipeline::ring_split_keys): every warp computes the one
+  // 16-row slab of packed rows over its kWarpKeys keys of each tile, with a one-warp MMA; the
+  // warps' partial outputs meet in shared memory at the end.
+  static constexpr int kWarpKeys = kBlockN / kNWarps;
+  static constexpr bool kHasSplitKeysRing = has_split_keys_ring(kHeadDim);
+  using SlabMma = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>,
+                                 cute::Tile<cute::_16, cute::_16, cute::_16>>;
 };
 
 }  // namespace flash_dmattn::kernels::sm80

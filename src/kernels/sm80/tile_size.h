@@ -29,6 +29,13 @@ constexpr ForwardTile forward_tile(int head_dim) {
 // checks it), not at D = 256 (192 KB).
 constexpr bool has_ring(int head_dim) { return head_dim <= 192; }
 
+// Whether the ring's warps can split each tile's keys (KvPipeline::ring_split_keys): where a
+// warp's share, block_n / warps keys, is whole 16-key MMA steps (not at D = 192: 8 keys).
+constexpr bool has_split_keys_ring(int head_dim) {
+  const ForwardTile t = forward_tile(head_dim);
+  return has_ring(head_dim) && (t.block_n / t.warps) % 16 == 0;
+}
+
 // The ring's K/V stages at a compiled head dim: as many as fit beside Q in 112 KB, so that two
 // CTAs share an H100's SM, from 2 to 4 (D = 64 and 128: 3; D = 192: 2, 144 KB). And its shared
 // memory (16-bit elements; fwd_traits.h asserts it equals the layouts'), which the host checks
