@@ -202,8 +202,12 @@ __global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent ma
 // a 64-row block 256 threads, so here all but 4 of them would idle. Instead every thread
 // summarizes kRowVectors runs of 16 keys, their loads all in flight at once, and the 4 threads
 // of a 64-key block combine their flags by shuffles. Measured under Nsight Compute on an H200
-// (the decode benchmark's 1 x 8 x 1 x 131072 mask): 19.2 us with the kernel above, 4.6 here.
-constexpr int kRowVectors = 4;
+// (the decode benchmark's 1 x 8 x 1 x 131072 mask): 19.2 us with the kernel above, 4.6 here
+// with 4 runs a thread. A decode's forward waits for this kernel, so its latency counts more
+// than its loads in flight: one run a thread spreads the mask over 4x the CTAs. Torch profiler,
+// H200, decode masks (1, 8, 1, Sk): 4 runs -> 1 run 1.7 -> 1.3 us at Sk 1024, 3.4 -> 1.8 at
+// 16384, 3.6 -> 1.9 at 65536, 3.7 -> 2.1 at 131072 (2 runs: 1.4, 2.4, 2.5, 2.6).
+constexpr int kRowVectors = 1;
 constexpr int kRowRunCols = 16;
 constexpr int kRowCtaCols = kThreads * kRowRunCols * kRowVectors;
 static_assert(kSummaryBlock % kRowRunCols == 0 && 32 % (kSummaryBlock / kRowRunCols) == 0,
