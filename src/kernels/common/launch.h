@@ -25,16 +25,11 @@ inline cudaError_t raise_smem_limit_once(const void* kernel, int device, int byt
   return status;
 }
 
-// Lets `kernel` take kSmem bytes of dynamic shared memory: above 48 KB only after raising its
-// limit, once per kernel and device.
+// Lets `kernel` take kSmem bytes of dynamic shared memory on `device`: above 48 KB only after
+// raising its limit, once per kernel and device.
 template <int kSmem, typename Kernel>
-cudaError_t allow_dynamic_smem(Kernel* kernel) {
-  if constexpr (kSmem >= 48 * 1024) {
-    int device = 0;
-    const cudaError_t status = cudaGetDevice(&device);
-    if (status != cudaSuccess) return status;
-    return raise_smem_limit_once(reinterpret_cast<const void*>(kernel), device, kSmem);
-  }
+cudaError_t allow_dynamic_smem(Kernel* kernel, int device) {
+  if constexpr (kSmem >= 48 * 1024) return raise_smem_limit_once(reinterpret_cast<const void*>(kernel), device, kSmem);
   return cudaSuccess;
 }
 
@@ -59,13 +54,12 @@ struct GridCoords {
 // forward, combine) are short enough for those gaps to count.
 enum class StreamOrder { serial, early };
 
-// Whether the current device honours StreamOrder::early (compute capability 9.0 or newer), looked
-// up once per device: a launch path pays no attribute query.
-inline bool early_launch_supported() {
+// Whether `device` honours StreamOrder::early (compute capability 9.0 or newer), looked up once
+// per device: a launch path pays no attribute query.
+inline bool early_launch_supported(int device) {
   constexpr int kDevices = 64;
   static std::atomic<signed char> known[kDevices];  // 0: not looked up, 1: supported, -1: not
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  if (device < 0 || device >= kDevices) return false;
   signed char state = known[device].load(std::memory_order_relaxed);
   if (state == 0) {
     int major = 0;
@@ -86,9 +80,12 @@ cudaError_t launch_folded(void (*kernel)(Params...), const GridShape& shape, uns
                           StreamOrder order, const Args&... args) {
   const std::int64_t ctas = shape.x * shape.y * shape.z;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const cudaError_t status = allow_dynamic_smem<kSmem>(kernel);
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
-  if (order == StreamOrder::early && early_launch_supported()) {
+  status = allow_dynamic_smem<kSmem>(kernel, device);
+  if (status != cudaSuccess) return status;
+  if (order == StreamOrder::early && early_launch_supported(device)) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(ctas));
     config.blockDim = dim3(threads);

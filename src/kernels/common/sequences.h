@@ -11,6 +11,13 @@ namespace flash_dmattn::kernels {
 // q, k, v, out and their gradients are fp16 or bf16 (validate.cpp).
 constexpr std::int64_t kElementBytes = 2;
 
+// A length the caller gave (the host cannot read it without waiting for the GPU) held to [0, limit]:
+// a length past the layout's maximum would read mask, bias and summary past their rows, and a
+// negative one (decreasing offsets) makes an empty sequence.
+__device__ __forceinline__ int clamp_length(std::int64_t length, int limit) {
+  return static_cast<int>(max(std::int64_t(0), min(length, std::int64_t(limit))));
+}
+
 // The params of batch b as the main loops read them: for packed sequences (whose batch strides
 // the host sets to 0, so the loops' b·stride adds nothing), q, k, v, out and lse advanced to the
 // sequence's first rows, and its own lengths, while mask, bias and their summary keep indexing batch b of
@@ -21,15 +28,12 @@ __device__ __forceinline__ ForwardParams for_sequence(const ForwardParams& param
   ForwardParams p = params;
   // A KV cache's batch b: its cached keys. The front validates the lengths except under CUDA-graph
   // capture or when told not to (validate=False), so they are clamped to [0, seqlen_k] here.
-  if (params.seqlens_k != nullptr) p.seqlen_k = max(0, min(params.seqlens_k[b], params.seqlen_k));
+  if (params.seqlens_k != nullptr) p.seqlen_k = clamp_length(params.seqlens_k[b], params.seqlen_k);
   if (params.cu_seqlens_q == nullptr) return p;
   const std::int64_t q0 = params.cu_seqlens_q[b], k0 = params.cu_seqlens_k[b];
-  // The offsets are the caller's (the host cannot read them without waiting): a sequence longer
-  // than the maxima would read mask, bias and summary past its rows of their layout, so its
-  // lengths are clamped to them, and decreasing offsets give an empty sequence (the torch front
-  // checks the offsets).
-  p.seqlen_q = static_cast<int>(max(std::int64_t(0), min(std::int64_t(params.cu_seqlens_q[b + 1]) - q0, std::int64_t(params.seqlen_q))));
-  p.seqlen_k = static_cast<int>(max(std::int64_t(0), min(std::int64_t(params.cu_seqlens_k[b + 1]) - k0, std::int64_t(params.seqlen_k))));
+  // The offsets are the caller's, clamped to the maxima (the torch front checks them).
+  p.seqlen_q = clamp_length(params.cu_seqlens_q[b + 1] - q0, params.seqlen_q);
+  p.seqlen_k = clamp_length(params.cu_seqlens_k[b + 1] - k0, params.seqlen_k);
   p.q = static_cast<const char*>(params.q) + kElementBytes * q0 * params.q_row_stride;
   p.k = static_cast<const char*>(params.k) + kElementBytes * k0 * params.k_row_stride;
   p.v = static_cast<const char*>(params.v) + kElementBytes * k0 * params.v_row_stride;

@@ -41,8 +41,9 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
     // 32k keys 1.701 -> 1.403; Sk 1024 to 16384 unchanged (0.018 to 0.036).
     if constexpr (Traits::kHasSplitKeysRing) {
       if (params.kv_pipeline == KvPipeline::ring_split_keys) {
-        // Its warps hold the one 16-row slab of packed rows.
-        if (std::int64_t(params.seqlen_q) * params.pack_group > 16) return cudaErrorInvalidValue;
+        // Its warps hold the one slab of packed rows (one warp's rows of the tile).
+        constexpr int kSlabRows = Traits::kBlockM / Traits::kNWarps;
+        if (std::int64_t(params.seqlen_q) * params.pack_group > kSlabRows) return cudaErrorInvalidValue;
         return launch_query_tiles<Traits::kRingSmemBytes>(
             &forward_kernel<Traits, KeySource::tiles, KvPipeline::ring_split_keys>, params, params, Traits::kBlockM,
             Traits::kNThreads, stream, StreamOrder::early);

@@ -148,12 +148,13 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor acc_o_rows = make_tensor(acc_o.data(), accumulator_as_rows_cols(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rows))::value;
-  // With the warps splitting the keys, each holds the slab's rows at their share of the keys: S of a one-warp
-  // MMA over (16 rows, kWarpKeys keys), at its place in the tile.
+  // With the warps splitting the keys, warp w's one-warp MMA computes the slab's rows over its
+  // share of each tile's keys, [w, w + 1) · kWarpKeys: its S elements sit there in the tile.
+  [[maybe_unused]] typename Traits::SlabMma slab_mma;
+  [[maybe_unused]] auto slab_thr = slab_mma.get_thread_slice(tid % 32);
   const auto tScS_policy = [&] {
     if constexpr (kPipeline == KvPipeline::ring_split_keys) {
-      typename Traits::SlabMma slab_mma;
-      return slab_mma.get_thread_slice(tid % 32).partition_C(
+      return slab_thr.partition_C(
           local_tile(make_identity_tensor(Shape<_16, Int<kBlockN>>{}), Shape<_16, Int<Traits::kWarpKeys>>{},
                      make_coord(0, tid / 32)));
     } else {
@@ -223,13 +224,18 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK_, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
     mask_logits(acc_s);
   };
-  // The online softmax over them, and O += P·V:
-  auto accumulate = [&](auto& acc_s, const auto& tOsVt_) CUTLASS_LAMBDA_FUNC_INLINE {
+  // The online softmax over them, and O += P·V by pv(P):
+  auto accumulate_by = [&](auto& acc_s, auto&& pv) CUTLASS_LAMBDA_FUNC_INLINE {
     Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
     softmax.update(acc_s_rows, acc_o_rows);
     Tensor probabilities = convert_fragment<Element>(acc_s);
-    Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
-    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt_, tiled_mma, smem_copy_v, smem_thr_v);
+    pv(make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout())));
+  };
+  // ... where P·V is the CTA's MMA over the whole tile:
+  auto accumulate = [&](auto& acc_s, const auto& tOsVt_) CUTLASS_LAMBDA_FUNC_INLINE {
+    accumulate_by(acc_s, [&](const auto& tOrP) CUTLASS_LAMBDA_FUNC_INLINE {
+      gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt_, tiled_mma, smem_copy_v, smem_thr_v);
+    });
   };
 
   if constexpr (kSource == KeySource::lists) {
@@ -332,8 +338,6 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
       constexpr int kWarpKeys = Traits::kWarpKeys;
       static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole MMA k-steps of P·V");
       const int warp = tid / 32, lane = tid % 32;
-      typename Traits::SlabMma slab_mma;
-      auto slab_thr = slab_mma.get_thread_slice(lane);
       Tensor sQ_slab = local_tile(sQ, Shape<_16, Int<kHeadDim>>{}, make_coord(0, 0));
       Tensor sK_warp = local_tile(sK, Shape<Int<kWarpKeys>, Int<kHeadDim>>{}, make_coord(warp, 0));
       Tensor sVt_warp = local_tile(sVt, Shape<Int<kHeadDim>, Int<kWarpKeys>>{}, make_coord(0, warp));
@@ -360,11 +364,9 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
         gemm_smem_smem(acc_s, rQ, rK, sQ_src, at_stage(sK_src, stage, kStageElems), slab_mma, copy_q, copy_k, thr_q,
                        thr_k);
         policy.apply(acc_s, tScS_policy, n_block, elementwise, inputs);
-        Tensor acc_s_rows = make_tensor(acc_s.data(), accumulator_as_rows_cols(acc_s.layout()));
-        softmax.update(acc_s_rows, acc_o_rows);
-        Tensor probabilities = convert_fragment<Element>(acc_s);
-        Tensor tOrP = make_tensor(probabilities.data(), accumulator_as_a_operand(probabilities.layout()));
-        gemm_reg_smem(acc_o_slab, tOrP, rVt, at_stage(sVt_src, stage, kStageElems), slab_mma, copy_v, thr_v);
+        accumulate_by(acc_s, [&](const auto& tOrP) CUTLASS_LAMBDA_FUNC_INLINE {
+          gemm_reg_smem(acc_o_slab, tOrP, rVt, at_stage(sVt_src, stage, kStageElems), slab_mma, copy_v, thr_v);
+        });
       });
       cp_async_wait<0>();
       __syncthreads();  // every stage has been read: the stages' memory carries the warps' parts
