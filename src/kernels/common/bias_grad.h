@@ -61,7 +61,8 @@ struct RegisterColumnSums {
 };
 
 // ColumnSums: how the per-key sums of a bias with query dim 1 are kept, with kPartials,
-// add(dz) (what a tile's elements contribute from registers) and deposit(coords_rc, reduce).
+// add(dz) (what a tile's elements contribute from registers) and deposit(coords_rc, reduce);
+// add_gathered_sums() also needs for_each_sum(f).
 template <int kBlockM, int kBlockN, int kThreads, typename ColumnSums>
 struct BiasGradTile {
   // A plain copy: taking the address of the __grid_constant__ parameters would move every access
@@ -182,6 +183,17 @@ struct BiasGradTile {
       for (int w = 0; w < ColumnSums::kPartials; ++w) x += reduce[w * kBlockN + k];
       if (x != 0.f) accumulate(accum_offset(head, 0, keys[k]), x);
     }
+  }
+
+  // columns, where each thread holds whole sums of a chunk's keys (ColumnSums::for_each_sum: the
+  // sm90a gather backward's tensor-core sums): each goes out by a reduction from the thread that
+  // holds it, with no pass through shared memory and no barrier. A key's partials (one per
+  // warpgroup of query rows) are separate reductions, as other query tiles' are.
+  __device__ __forceinline__ void add_gathered_sums(int head, const int* keys, int valid) {
+    if (g.kind != BiasGradKind::columns) return;
+    columns.for_each_sum([&](int k, float x) {
+      if (k < valid && x != 0.f) accumulate(accum_offset(head, 0, keys[k]), x);
+    });
   }
 
   // columns: the key sums of one bias head over every query tile the CTA visited, reduced across

@@ -52,23 +52,29 @@ struct MmaColumnSums {
     fresh = false;
   }
 
-  // Writes partial w of key j to reduce[w * kBlockN + j] (0 if no tile added to it) and starts
-  // over; every wgmma that adds to acc has completed. All eight columns of the product are equal:
-  // column 0 is read.
-  template <typename TensorC>
-  __device__ __forceinline__ void deposit(const TensorC&, float* reduce) {
+  // f(key, sum) for each key of the tile whose sum over this warpgroup's rows the thread holds (0
+  // if no tile added to it), then starts over; every wgmma that adds to acc has completed. All
+  // eight columns of the product are equal: column 0 is read.
+  template <typename F>
+  __device__ __forceinline__ void for_each_sum(F&& f) {
     using namespace cute;
     const int warpgroup = threadIdx.x / 128;
     Mma mma;
     Tensor coords = mma.get_thread_slice(threadIdx.x % 128).partition_C(make_identity_tensor(Shape<_64, _8>{}));
     const int key0 = Traits::kSplitKeys ? 64 * warpgroup : 0;
-    const int partial = Traits::kSplitKeys ? 0 : warpgroup;
     warpgroup_fence_operand(acc);
     CUTE_UNROLL
     for (int e = 0; e < size(acc); ++e) {
-      if (get<1>(coords(e)) == 0) reduce[partial * kBlockN + key0 + get<0>(coords(e))] = fresh ? 0.f : acc(e);
+      if (get<1>(coords(e)) == 0) f(key0 + get<0>(coords(e)), fresh ? 0.f : acc(e));
     }
     fresh = true;
+  }
+
+  // Writes partial w of key j to reduce[w * kBlockN + j] and starts over.
+  template <typename TensorC>
+  __device__ __forceinline__ void deposit(const TensorC&, float* reduce) {
+    const int partial = Traits::kSplitKeys ? 0 : threadIdx.x / 128;
+    for_each_sum([&](int key, float x) { reduce[partial * kBlockN + key] = x; });
   }
 };
 

@@ -9,7 +9,9 @@
 // dV and dK sum the 128 rows, both heads, inside the wgmma; each warpgroup computes half of their
 // head-dim columns. All 256 threads gather the next chunk's K and V rows by cp.async while this
 // one computes (two buffers), with a CTA barrier per chunk; the list's keys and row bits are
-// staged two chunks ahead, as in the sm80 kernel.
+// staged two chunks ahead, as in the sm80 kernel, and a shared bias row's values one chunk ahead.
+// The per-key dBias sums of such a bias come from the tensor cores (bias_grad_mma.h) and go out
+// by reductions from the threads that hold them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,6 +26,7 @@
 #include "kernels/common/mask_bias.h"
 #include "kernels/common/tile_copy.h"
 #include "kernels/params.h"
+#include "kernels/sm90/bias_grad_mma.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/wgmma.h"
@@ -39,8 +42,7 @@ struct GatherBackwardTraits : BackwardTraits<Element_, kHeadDim_> {
                 "two warpgroups of 64 query rows over 64-key chunks");
   static constexpr int kPackedHeads = 2;
   static constexpr int kListRows = Base::kBlockM / kPackedHeads;  // the sm80 backward's lists
-  static constexpr int kWarpsM = Base::kNThreads / 32;            // each warp holds 16 rows of S
-  using List = GatheredKeys<kListRows, Base::kBlockN, 3>;
+  using List = GatheredKeys<kListRows, Base::kBlockN, 3, /*kStagesBias=*/true>;
 
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       smem_atom<Element_, Base::kDkvCols, cute::GMMA::Major::K>(), cute::Shape<cute::Int<Base::kBlockM>, cute::Int<kHeadDim_>>{}));
@@ -55,7 +57,8 @@ struct GatherBackwardTraits : BackwardTraits<Element_, kHeadDim_> {
     alignas(1024) cute::array<Element_, 2 * Base::kVElems> v;
     alignas(1024) cute::array<Element_, Base::kPdSElems> p;
     alignas(1024) cute::array<Element_, Base::kPdSElems> ds;
-    alignas(16) cute::array<float, Base::kBlockN * kWarpsM> reduce;  // the dbias column partials
+    alignas(1024) cute::array<Element_, Base::kPdSElems> dz;  // what the dbias MMA reads under softcap
+    alignas(1024) cute::array<Element_, Base::kOnesElems> ones;
     alignas(16) cute::array<std::uint32_t, List::kSmemBytes / 4> staging;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
@@ -79,7 +82,8 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   const int row0 = m_block * kBlockM;                                // in packed rows
   const int valid_rows = (f.seqlen_q - query0) * Traits::kPackedHeads;  // packed rows before Sq
   Storage& storage = *reinterpret_cast<Storage*>(smem);
-  const typename Traits::List list(f.lists, b, h, query0, reinterpret_cast<char*>(storage.staging.data()));
+  typename Traits::List list(f.lists, b, h, query0, reinterpret_cast<char*>(storage.staging.data()));
+  list.stage_bias_row(f, b, h);  // the pair of heads shares its bias head (the host's condition)
 
   // Global -> shared copies, by every thread, through the swizzled layouts wgmma reads.
   typename Traits::GmemTiledCopy gmem_copy;
@@ -118,7 +122,11 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
   const MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols> policy(f, b, rows, row0, tScS);
-  BiasGradTile<kBlockM, kBlockN, kThreads, RegisterColumnSums<kBlockN, kCols, Traits::kWarpsM>> dbias(p, b, kv_h);
+  BiasGradTile<kBlockM, kBlockN, kThreads, MmaColumnSums<Traits>> dbias(p, b, kv_h);
+  const bool dbias_columns = dbias.g.kind == BiasGradKind::columns;
+  const bool softcap = f.softcap > 0.f;
+  // Read by the dbias MMA after the loop's first fence and barrier.
+  for (int i = tid; i < Traits::kOnesElems; i += kThreads) storage.ones[i] = Element(1.f);
   BackwardRowStats<kRows> stats;
   stats.load(p, b, rows, row0, tScS_rc);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -129,6 +137,14 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
                                  gmem_thr.partition_D(swizzled(storage.q.data(), typename Traits::SmemLayoutQ{})),
                                  gmem_thr.partition_D(swizzled(storage.dout.data(), typename Traits::SmemLayoutQ{})),
                                  tQcQ, list, kThreads, gather_k_v);
+  // A shared bias row's values at each chunk's keys, staged as floats beside the keys: thread j
+  // loads key j's value of chunk c + 1 (whose keys have landed) at the top of chunk c and stores
+  // it at the end, so that the load hides behind chunk c's math; read from global memory by
+  // the logits instead, the values' loads waited between S and P. Chunk 0's are staged here.
+  auto bias_staged_by_me = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {
+    return list.bias_row != nullptr && c < chunks && tid < min(kBlockN, list.count - c * kBlockN);
+  };
+  if (bias_staged_by_me(0)) list.put_bias(0, tid, list.bias_at(list.staged_keys(0)[tid]));
 
   for (int c = 0; c < chunks; ++c) {
     const int buffer = c % 2;
@@ -140,6 +156,8 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // chunk c + 1's rows into the other buffer, chunk c + 2's keys into chunk c - 1's slot, P,
     // dS and the dbias partials.
     await_tiles();
+    const bool stages_bias = bias_staged_by_me(c + 1);
+    const float next_bias = stages_bias ? list.bias_at(list.staged_keys(c + 1)[tid]) : 0.f;
     if (c + 1 < chunks) gather_k_v(c + 1);
     if (c + 2 < chunks) list.stage(c + 2, tid, kThreads);
     cp_async_fence();
@@ -166,12 +184,12 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
       SoftcapGrads<kCap ? kRows : 1, kCap ? kCols : 1> cap;
       float lse_log2[kRows];
       stats.lse_log2(lse_log2);
-      policy.with_logit_kind([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
+      policy.template with_logit_kind<BiasStaging::as_float>([&](auto kind) CUTLASS_LAMBDA_FUNC_INLINE {
         list.apply(kind, policy, acc_s, tScS, c, [&](int r, int col, float z, float dcap) {
           s(r, col) = exp2f(fmaf(z, kLog2e, -lse_log2[r]));
           if constexpr (kCap) cap.dcap[r][col] = dcap;
         });
-      });
+      }, list.bias_row != nullptr);
       Tensor p_values = convert_fragment<Element>(acc_s);
       copy(copy_pds, thr_pds.retile_S(p_values),
            thr_pds.partition_D(swizzled(at.p.data(), typename Traits::SmemLayoutPdS{})));
@@ -180,9 +198,16 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
       logit_gradients(stats, acc_s, acc_dp);
       Tensor dz = make_tensor(acc_dp.data(), accumulator_as_rows_cols(acc_dp.layout()));
       dbias.add_gathered(dz, tScS_rc, h, policy.row_index, keys, valid, f.seqlen_q);
-      if constexpr (kCap) apply_softcap_grads(f.softcap, acc_dp, cap);
+      if constexpr (kCap) {
+        if (dbias_columns) {  // the dbias MMA reads dZ, which dS is not here
+          Tensor dz_values = convert_fragment<Element>(acc_dp);
+          copy(copy_pds, thr_pds.retile_S(dz_values),
+               thr_pds.partition_D(swizzled(at.dz.data(), typename Traits::SmemLayoutPdS{})));
+        }
+        apply_softcap_grads(f.softcap, acc_dp, cap);
+      }
     };
-    if (f.softcap > 0.f) {
+    if (softcap) {
       scores(cute::true_type{});
     } else {
       scores(cute::false_type{});
@@ -190,27 +215,31 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     Tensor ds_values = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_pds.retile_S(ds_values),
          thr_pds.partition_D(swizzled(at.ds.data(), typename Traits::SmemLayoutPdS{})));
-    dbias.deposit_columns(tScS_rc, at.reduce.data());
     // dK and dV read what both warpgroups wrote: all of P and dS must be visible to wgmma.
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    dbias.flush_gathered_columns(at.reduce.data(), h, keys, valid);
 
     wgmma_issue<false>(mma_dq, thr_dq.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdS{})),
                        thr_dq.partition_fragment_B(view(k, typename Traits::SmemLayoutKt{})), acc_dq);
+    if (dbias_columns) dbias.columns.issue(softcap ? at.dz.data() : at.ds.data(), at.ones.data());
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.p.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.dout.data(), typename Traits::SmemLayoutQt{})), acc_dv);
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.q.data(), typename Traits::SmemLayoutQt{})), acc_dk);
-    warpgroup_wait<1>();  // dQ and dV; dK's reductions wait for it while dV's go out
+    warpgroup_wait<1>();  // dQ, dbias and dV; dK's reductions wait for it while dV's go out
     warpgroup_fence_operand(acc_dv);
     accumulate_gathered_rows(acc_dv, tdKVcdKV, gathered.dv, keys, valid, f.head_dim);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
     accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, keys, valid, f.head_dim);
+    // Read after every wgmma has completed: registers of a completed wgmma read under branches
+    // while others ran made ptxas serialize the kernel's wgmma (C7518, docs/architecture.md).
+    dbias.add_gathered_sums(h, keys, valid);
+    // Chunk c + 1's slot was last read by chunk c - 2; the next barrier publishes the value.
+    if (stages_bias) list.put_bias(c + 1, tid, next_bias);
   }
   cp_async_wait<0>();  // nothing is left in flight when the list is empty
 
