@@ -5,7 +5,8 @@
 // kept by a ColumnSums policy (RegisterColumnSums below, or the sm90a kernel's tensor-core sums)
 // and reduced across the CTA through shared memory in a fixed order, so the result is bitwise
 // reproducible. Accumulation across CTAs uses reductions, into one shared slot by default or
-// into a slot per CTA in deterministic mode. A bias with key dim 1 never gets here: its gradient
+// into a slot per CTA in deterministic mode. (The sm90a gather backward, never deterministic,
+// sends each warpgroup's sums by reductions instead: add_gathered_sums.) A bias with key dim 1 never gets here: its gradient
 // is exactly 0.
 #pragma once
 
@@ -142,7 +143,8 @@ struct BiasGradTile {
   // whose column k is key keys[k] (k < valid); queries[r]: the query row of the thread's row r
   // (with packed heads, every row's head reads bias head head / head_divisor). Elements go out
   // by reductions at once; per-key sums are kept (columns) until deposit_columns() and
-  // flush_gathered_columns(). Every reduction: other query tiles (and heads) share the keys.
+  // flush_gathered_columns(), or add_gathered_sums(). Every reduction: other query tiles (and
+  // heads) share the keys.
   template <typename TensorZ, typename TensorC, int kQueryRows>
   __device__ __forceinline__ void add_gathered(const TensorZ& dz, const TensorC& coords, int head,
                                                const int (&queries)[kQueryRows], const int* keys, int valid,

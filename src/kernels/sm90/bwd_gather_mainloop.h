@@ -154,7 +154,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // warpgroup's GEMMs of chunk c - 1, which read the other buffer, P and dS, have completed
     // (the wait<0> at the end of the loop). Every write of this chunk waits for this barrier:
     // chunk c + 1's rows into the other buffer, chunk c + 2's keys into chunk c - 1's slot, P,
-    // dS and the dbias partials.
+    // dS and dZ.
     await_tiles();
     const bool stages_bias = bias_staged_by_me(c + 1);
     const float next_bias = stages_bias ? list.bias_at(list.staged_keys(c + 1)[tid]) : 0.f;
