@@ -6,8 +6,8 @@
 // and reduced across the CTA through shared memory in a fixed order, so the result is bitwise
 // reproducible. Accumulation across CTAs uses reductions, into one shared slot by default or
 // into a slot per CTA in deterministic mode. (The sm90a gather backward, never deterministic,
-// sends each warpgroup's sums by reductions instead: add_gathered_sums.) A bias with key dim 1 never gets here: its gradient
-// is exactly 0.
+// sends each warpgroup's sums by reductions instead: add_gathered_sums.) A bias with key dim 1
+// never gets here: its gradient is exactly 0.
 #pragma once
 
 #include <cute/tensor.hpp>
