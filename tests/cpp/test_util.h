@@ -1,5 +1,6 @@
-// Shared by the CPU test suites: owning host tensors filled with fresh random data, broadcast
-// shapes, and the seed every run prints so that a failure can be replayed (FDMA_TEST_SEED=...).
+// Shared by the CPU and GPU test suites: owning host tensors filled with fresh random data,
+// broadcast shapes, the seed every run prints so that a failure can be replayed
+// (FDMA_TEST_SEED=...), and environment variables set for a scope (ScopedEnv).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -169,5 +170,26 @@ inline double max_abs_diff(const std::vector<double>& a, const std::vector<doubl
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
   return m;
 }
+
+// Sets an environment variable for a scope, and puts back what it was.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* previous = std::getenv(name);
+    if (previous) previous_ = previous;
+    had_ = previous != nullptr;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, previous_.c_str(), 1); else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string previous_;
+  bool had_ = false;
+};
 
 }  // namespace flash_dmattn::test

@@ -2,7 +2,7 @@
 // masks (most tiles empty), rows with exactly one visible key or none, whole 128x64 and 128x128
 // tiles empty, masks all False and all True; -inf in the bias at visible keys and over whole
 // rows, bias values at hidden positions that must never be read (NaN, +inf), and a large finite
-// negative bias that must not hide keys.
+// negative bias that must not hide keys; the gather path over more query tiles than SMs.
 #include <cmath>
 #include <limits>
 #include <random>
@@ -88,6 +88,29 @@ TEST_F(SparseMasks, AllFalseGivesZeroOutputAndInfiniteLseEverywhere) {
     for (const double x : outputs.out.values()) ASSERT_EQ(x, 0.0);
     for (const double x : outputs.lse.values()) ASSERT_EQ(x, kInfinity);
     expect_outputs_match_reference(p, outputs);
+  }
+}
+
+// The sm90a gather forward runs a persistent grid of one CTA per SM: here more query tiles than
+// any GPU has SMs (4 x 9 x 8 of 128 rows, and as many of two paired heads), so that every CTA
+// carries its pipelines and the list staging from tile to tile, with the bias row staged (paired
+// heads) and read per element (a mask per query head: one head per CTA).
+TEST_F(SparseMasks, GatherPathWithSeveralQueryTilesPerCta) {
+  auto rng = test_rng();
+  const ScopedEnv gather("FLASH_DMATTN_SPARSE_PATH", "gather");
+  ForwardCase c;
+  c.n = Sizes{4, 1100, 700, 8, 2, 64};
+  c.density = 0.3;
+  for (const bool per_head : {false, true}) {
+    c.mask = OperandShape{true, per_head ? c.n.H : c.n.Hk, true, true};
+    c.bias = per_head ? OperandShape{true, c.n.H, true, true} : OperandShape{true, c.n.Hk, false, true};
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(std::string(per_head ? "mask and bias per query head" : "mask per KV head, bias row") +
+                   (causal ? ", causal" : ""));
+      c.causal = causal;
+      expect_forward_matches_reference(ForwardProblem::random(c, rng), stream());
+      if (test_stopped()) return;
+    }
   }
 }
 

@@ -123,27 +123,6 @@ struct Results {
   HostTensor out, lse, dq, dk, dv, dbias;
 };
 
-// Sets an environment variable for a scope, and puts back what it was.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* previous = std::getenv(name);
-    if (previous) previous_ = previous;
-    had_ = previous != nullptr;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, previous_.c_str(), 1); else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::string previous_;
-  bool had_ = false;
-};
-
 // Whether a refusal is the build's or the device's to make (a head dim left out of the build, a
 // gather kernel larger than the device's shared memory): the test skips then.
 bool not_for_this_build_or_device(const Status& status) {

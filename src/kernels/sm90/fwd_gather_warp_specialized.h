@@ -55,9 +55,10 @@ struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_pro
   // The producer's copies: its 128 threads across rows of up to 64 elements.
   using GmemTiledCopyKV = typename GmemRowCopies<Element_, 128, Base::kGmemRowElems>::Async;
   // A producer thread holds row addresses and copy coordinates: more than the dense kernel's 24
-  // registers (56 · 128 + 224 · 2 · 128 fits the SM's 64K). ptxas spilled less with the
-  // consumers at 224 than at 232 (producer 40): D128 paired stack 80 -> 32 bytes, one head
-  // 72 -> 16, and the training top-2048 forward took 7% less time (docs/architecture.md).
+  // registers (56 · 128 + 224 · 2 · 128 = 168 · 384, what the CTA launched with; see
+  // warp_specialization.h). ptxas spilled less with the consumers at 224 than at 232 (producer
+  // 40): D128 paired stack 80 -> 32 bytes, one head 72 -> 16, and the training top-2048 forward
+  // took 7% less time (docs/architecture.md).
   static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 
   struct SharedStorage {

@@ -21,8 +21,13 @@ namespace flash_dmattn::kernels::sm90 {
 // before the output leaves shared memory.
 enum class ConsumerBarrier : std::uint32_t { turn_of_first = 0, turn_of_second = 1, output_staged = 2 };
 inline constexpr int kConsumerThreads = 256;
-inline constexpr int kProducerRegisters = 24;   // the producer's warpgroup after it gives registers away
-inline constexpr int kConsumerRegisters = 240;  // 24·128 + 2·240·128 fits the 64K registers of an SM
+// The producer's warpgroup after it gives registers away, and the consumers'. setmaxnreg moves
+// registers within what the CTA launched with, 168 per thread (384 threads, one CTA per SM):
+// 24·128 + 2·240·128 = 168·384. A producer of 32 asks 1024 more, and a build with it hung (its
+// GPU suite and bench did not finish; session 23, one H200), though ptxas spilled less there
+// (D128 bf16: the TMA forward's stack 120 -> 96 bytes, the dQ kernel's 104 -> 72).
+inline constexpr int kProducerRegisters = 24;
+inline constexpr int kConsumerRegisters = 240;
 
 // The consumers' epilogue threads: indexed from 0, meeting at a named barrier.
 struct ConsumerThreads {
