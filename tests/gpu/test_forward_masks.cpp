@@ -91,22 +91,24 @@ TEST_F(SparseMasks, AllFalseGivesZeroOutputAndInfiniteLseEverywhere) {
   }
 }
 
-// The sm90a gather forward runs a persistent grid of one CTA per SM: here more query tiles than
-// any GPU has SMs (4 x 9 x 8 of 128 rows, and as many of two paired heads), so that every CTA
-// carries its pipelines and the list staging from tile to tile, with the bias row staged (paired
-// heads) and read per element (a mask per query head: one head per CTA).
+// The gather path over more query tiles than any GPU has SMs (4 x 9 x 8 of 128 rows, and as many
+// of two paired heads): a persistent sm90a forward would carry its pipelines and the list staging
+// from tile to tile here. Three operand forms: a mask per KV head with a bias row (paired heads,
+// the row staged), with a bias per KV head and query row (paired heads, read per element), and
+// both per query head (one head per CTA).
 TEST_F(SparseMasks, GatherPathWithSeveralQueryTilesPerCta) {
   auto rng = test_rng();
   const ScopedEnv gather("FLASH_DMATTN_SPARSE_PATH", "gather");
   ForwardCase c;
   c.n = Sizes{4, 1100, 700, 8, 2, 64};
   c.density = 0.3;
-  for (const bool per_head : {false, true}) {
-    c.mask = OperandShape{true, per_head ? c.n.H : c.n.Hk, true, true};
-    c.bias = per_head ? OperandShape{true, c.n.H, true, true} : OperandShape{true, c.n.Hk, false, true};
+  const char* names[3] = {"mask per KV head, bias row", "mask and bias per KV head", "mask and bias per query head"};
+  for (const int form : {0, 1, 2}) {
+    const std::int64_t heads = form == 2 ? c.n.H : c.n.Hk;
+    c.mask = OperandShape{true, heads, true, true};
+    c.bias = OperandShape{true, heads, form != 0, true};
     for (const bool causal : {false, true}) {
-      SCOPED_TRACE(std::string(per_head ? "mask and bias per query head" : "mask per KV head, bias row") +
-                   (causal ? ", causal" : ""));
+      SCOPED_TRACE(std::string(names[form]) + (causal ? ", causal" : ""));
       c.causal = causal;
       expect_forward_matches_reference(ForwardProblem::random(c, rng), stream());
       if (test_stopped()) return;
