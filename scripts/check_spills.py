@@ -92,13 +92,13 @@ def local_accesses_by_line(cuobjdump: str, nvdisasm: str, path: str, arch: str) 
                                      text=True).stdout
             function, where = "", "?"
             for line in listing.splitlines():
-                if SECTION.match(line):
-                    function, where = SECTION.match(line).group(1), "?"
-                elif LINE.search(line):
-                    file, number = LINE.search(line).groups()
+                if section := SECTION.match(line):
+                    function, where = section.group(1), "?"
+                elif source := LINE.search(line):
+                    file, number = source.groups()
                     where = f"{os.path.basename(file)}:{number}"
-                elif function and LOCAL.search(line):
-                    found.setdefault(function, Counter())[(LOCAL.search(line).group(1), where)] += 1
+                elif function and (local := LOCAL.search(line)):
+                    found.setdefault(function, Counter())[(local.group(1), where)] += 1
     return found
 
 
