@@ -519,6 +519,10 @@ struct BackwardPlan {
   std::size_t summary_bytes = 0, dsum_bytes = 0, dq_accum_bytes = 0, dbias_accum_bytes = 0;
   std::size_t dkv_accum_bytes = 0, lists_bytes = 0;  // dkv: dK's and dV's accumulators, each this size
 
+  // The sm90a gather backward computes Δ in its prologue (RowDeltas): no compute_dsum, no Δ
+  // workspace.
+  bool kernel_computes_dsum() const { return gather && family == KernelFamily::sm90a; }
+
   // The accumulators (dQ, dBias, dK, dV) lie back to back from here to lists_offset().
   std::size_t accumulators_offset() const { return align_up(summary_bytes) + align_up(dsum_bytes); }
   std::size_t dkv_offset() const {
@@ -598,7 +602,7 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   } else if (a.mask && !a.prepared_mask) {
     plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   }
-  plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
+  if (!plan.kernel_computes_dsum()) plan.dsum_bytes = static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q) * sizeof(float);
   plan.dq_accum_bytes = static_cast<std::size_t>(plan.dq_slots) * p.batch * p.heads * p.seqlen_q * p.head_dim * sizeof(float);
 
   if (!a.dbias) return plan;
@@ -906,7 +910,7 @@ class CudaSm80Backend final : public BackendImpl {
     const BackwardPlan plan = plan_backward(a, p, arch_of(p.device.index));
     kernels::BackwardParams params = backward_params(a, p, plan);
     char* workspace = static_cast<char*>(a.workspace.data);
-    params.dsum = reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes));
+    params.dsum = plan.dsum_bytes ? reinterpret_cast<float*>(workspace + align_up(plan.summary_bytes)) : nullptr;
     params.dq_accum = reinterpret_cast<float*>(workspace + plan.accumulators_offset());
     params.dbias.accum = reinterpret_cast<float*>(workspace + plan.accumulators_offset() + align_up(plan.dq_accum_bytes));
     params.dk_accum = reinterpret_cast<float*>(workspace + plan.dkv_offset());
@@ -934,8 +938,11 @@ class CudaSm80Backend final : public BackendImpl {
       const cudaError_t e = cudaMemsetAsync(workspace + accumulators, 0, plan.lists_offset() - accumulators, stream);
       if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);
     }
-    cudaError_t e = kernels::compute_dsum(params, stream);
-    if (e != cudaSuccess) return cuda_failure("the dO·O row-sum launch", e);
+    cudaError_t e = cudaSuccess;
+    if (!plan.kernel_computes_dsum()) {
+      e = kernels::compute_dsum(params, stream);
+      if (e != cudaSuccess) return cuda_failure("the dO·O row-sum launch", e);
+    }
     if (p.batch > 0 && p.kv_heads > 0) {
       const bool sm90a = plan.family == KernelFamily::sm90a;
       e = sm90a ? kernels::sm90::backward(params, stream) : kernels::sm80::backward(params, stream);

@@ -33,10 +33,12 @@ struct BackwardRowStats {
     load(p, b, RowMap{1, h, p.fwd.seqlen_q}, row0, coords_rc);
   }
 
-  // Packed rows (several query heads in one tile): row0 and coords_rc count packed rows.
+  // Packed rows (several query heads in one tile): row0 and coords_rc count packed rows. delta:
+  // where the kernel computed Δ itself (RowDeltas), the tile's rows' values by local row, in
+  // shared memory; else Δ comes from p.dsum.
   template <typename CoordsRC>
   __device__ __forceinline__ void load(const BackwardParams& p, int b, const RowMap& rows, int row0,
-                                       const CoordsRC& coords_rc) {
+                                       const CoordsRC& coords_rc, const float* delta = nullptr) {
     const ForwardParams& f = p.fwd;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -45,7 +47,8 @@ struct BackwardRowStats {
       const int existing = min(i, f.seqlen_q - 1);
       exists[r] = i < f.seqlen_q;
       lse[r] = f.lse[b * f.lse_batch_stride + h * f.lse_head_stride + existing];
-      dsum[r] = p.dsum[(std::int64_t(b) * f.heads + h) * p.accum_rows + existing];
+      dsum[r] = delta ? delta[cute::get<0>(coords_rc(r, 0))]
+                      : p.dsum[(std::int64_t(b) * f.heads + h) * p.accum_rows + existing];
     }
   }
 

@@ -60,6 +60,60 @@ __device__ __forceinline__ void start_gathered_chunks(const BackwardParams& p, i
   cute::cp_async_fence();
 }
 
+// Δ = rowsum(dO∘O) of a CTA's kBlockM packed rows (FlashAttention's D), computed by the CTA
+// that uses it instead of by a pass before the kernel (compute_dsum: 49 us of the 2.4 ms training
+// top-2048 backward, H200). kLanes threads per row, each over every kLanes-th 16-byte vector of
+// the row (a lane pair reads 32 contiguous bytes, a whole sector). The constructor issues the
+// loads and sum() adds them up: issued before the prologue waits for its copies, they land
+// behind that wait. Rows are 16-byte aligned and head dims multiples of 8 (the CUDA backend's
+// conditions for every kernel, params.h).
+template <typename Element, int kHeadDim, int kBlockM, int kThreads>
+struct RowDeltas {
+  static_assert(sizeof(Element) == 2 && kThreads % kBlockM == 0, "16-bit elements, whole rows per thread group");
+  static constexpr int kLanes = kThreads / kBlockM, kVec = 8;
+  static constexpr int kPerLane = (kHeadDim / kVec + kLanes - 1) / kLanes;
+  uint4 o[kPerLane], d[kPerLane];
+
+  __device__ __forceinline__ RowDeltas(const BackwardParams& p, int b, const RowMap& rows, int row0, int valid_rows) {
+    const ForwardParams& f = p.fwd;
+    const int r = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+    const bool exists = r < valid_rows;
+    const std::int64_t at = exists ? b * f.out_batch_stride + rows.offset(row0 + r, f.out_row_stride, f.out_head_stride) : 0;
+    const std::int64_t dat = exists ? b * p.dout_batch_stride + rows.offset(row0 + r, p.dout_row_stride, p.dout_head_stride) : 0;
+    const Element* const out = static_cast<const Element*>(f.out) + at;
+    const Element* const dout = static_cast<const Element*>(p.dout) + dat;
+    CUTE_UNROLL
+    for (int v = 0; v < kPerLane; ++v) {
+      const int col = (v * kLanes + lane) * kVec;
+      o[v] = d[v] = make_uint4(0, 0, 0, 0);
+      if (!exists || col >= f.head_dim) continue;
+      o[v] = __ldg(reinterpret_cast<const uint4*>(out + col));
+      d[v] = __ldg(reinterpret_cast<const uint4*>(dout + col));
+    }
+  }
+
+  // The row's Δ, in every lane of its group (fp32, the order fixed: reruns are bitwise equal).
+  __device__ __forceinline__ float sum() const {
+    float total = 0.f;
+    CUTE_UNROLL
+    for (int v = 0; v < kPerLane; ++v) {
+      const Element* const ov = reinterpret_cast<const Element*>(&o[v]);
+      const Element* const dv = reinterpret_cast<const Element*>(&d[v]);
+      CUTE_UNROLL
+      for (int k = 0; k < kVec; ++k) total += static_cast<float>(ov[k]) * static_cast<float>(dv[k]);
+    }
+    CUTE_UNROLL
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    return total;
+  }
+
+  // Row r's Δ into delta[r], r = 0 .. kBlockM - 1 (rows past Sq: 0, never read).
+  __device__ __forceinline__ void store(float* delta) const {
+    const float total = sum();
+    if (threadIdx.x % kLanes == 0) delta[threadIdx.x / kLanes] = total;
+  }
+};
+
 // dQ = scale·Σ dS·K over the whole list, for the CTA's packed rows: the CTA is its only writer.
 template <typename Element, typename Acc, typename TensorC>
 __device__ __forceinline__ void store_gathered_dq(const Acc& acc_dq, const TensorC& coords, const BackwardParams& p,

@@ -24,6 +24,16 @@ enum class KeySource { tiles, lists };
 // that computes, one for the gathers in flight.
 inline constexpr int kForwardGatherStages = 3;
 
+// Whether query heads 2k and 2k + 1 read one list, and one bias row wherever the bias is one
+// row per (batch, head): a CTA of two paired heads reads the list of its first head and stages
+// that head's bias row for both (stage_bias_row). Launches of paired heads check it; the host
+// pairs heads only where it holds (gather_forward_pairs, gather_backward_pairs).
+__host__ __device__ inline bool pairs_share_operands(const KeyLists& lists, const BroadcastOperand& bias) {
+  auto shared = [](std::int64_t head_stride, int head_divisor) { return head_stride == 0 || head_divisor % 2 == 0; };
+  return shared(lists.head_stride, lists.head_divisor) &&
+         (bias.ptr == nullptr || bias.row_stride != 0 || shared(bias.head_stride, bias.head_divisor));
+}
+
 template <int kBlockM, int kBlockN, int kStages = 2, bool kStagesBias = false>
 struct GatheredKeys {
   static_assert(kBlockN % 32 == 0, "a chunk's row bits are whole words");

@@ -32,6 +32,12 @@ struct MmaColumnSums {
   // instead made ptxas serialize every wgmma of the kernel (C7515): 0.5 ms at D = 128.
   bool fresh = true;
 
+  // The ones issue() multiplies by, into `ones` (Traits::kOnesElems elements) by the CTA's
+  // threads; visible to wgmma after the writers' fence and a barrier.
+  __device__ __forceinline__ static void fill_ones(Element* ones) {
+    for (int i = threadIdx.x; i < Traits::kOnesElems; i += Traits::kNThreads) ones[i] = Element(1.f);
+  }
+
   // Nothing from registers: issue() does the work.
   template <typename TensorZ>
   __device__ __forceinline__ void add(const TensorZ&) {}

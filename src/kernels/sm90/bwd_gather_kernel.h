@@ -27,7 +27,8 @@ template <typename Element, int kHeadDim>
 cudaError_t run_gather_backward(const BackwardParams& params, cudaStream_t stream) {
   using Traits = GatherBackwardTraits<Element, kHeadDim>;
   const KeyLists& lists = params.fwd.lists;
-  if (!params.pair_heads || lists.block_m != Traits::kListRows || lists.block_n != Traits::kBlockN) {
+  if (!params.pair_heads || lists.block_m != Traits::kListRows || lists.block_n != Traits::kBlockN ||
+      !pairs_share_operands(lists, params.fwd.bias)) {
     return cudaErrorInvalidValue;
   }
   const GridShape grid = gather_backward_grid(params, Traits::kListRows, Traits::kPackedHeads);

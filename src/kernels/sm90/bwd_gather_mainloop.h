@@ -11,7 +11,8 @@
 // one computes (two buffers), with a CTA barrier per chunk; the list's keys and row bits are
 // staged two chunks ahead, as in the sm80 kernel, and a shared bias row's values one chunk ahead.
 // The per-key dBias sums of such a bias come from the tensor cores (bias_grad_mma.h) and go out
-// by reductions from the threads that hold them.
+// by reductions from the threads that hold them. Δ = rowsum(dO∘O) of the CTA's rows comes from
+// its prologue (RowDeltas), not from a pass before the kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -60,6 +61,7 @@ struct GatherBackwardTraits : BackwardTraits<Element_, kHeadDim_> {
     alignas(1024) cute::array<Element_, Base::kPdSElems> dz;  // what the dbias MMA reads under softcap
     alignas(1024) cute::array<Element_, Base::kOnesElems> ones;
     alignas(16) cute::array<std::uint32_t, List::kSmemBytes / 4> staging;
+    alignas(16) cute::array<float, Base::kBlockM> delta;  // Δ of the CTA's packed rows (RowDeltas)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an SM offers a CTA");
@@ -126,17 +128,22 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   const bool dbias_columns = dbias.g.kind == BiasGradKind::columns;
   const bool softcap = f.softcap > 0.f;
   // Read by the dbias MMA after the loop's first fence and barrier.
-  for (int i = tid; i < Traits::kOnesElems; i += kThreads) storage.ones[i] = Element(1.f);
-  BackwardRowStats<kRows> stats;
-  stats.load(p, b, rows, row0, tScS_rc);
+  MmaColumnSums<Traits>::fill_ones(storage.ones.data());
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
 
+  // Δ here (the host runs no compute_dsum before this kernel): its loads land while the
+  // prologue waits for Q, dO and the first keys.
+  const RowDeltas<Element, kHeadDim, kBlockM, kThreads> deltas(p, b, rows, row0, valid_rows);
   const int chunks = list.chunks();
   start_gathered_chunks<Element>(p, b, rows, row0, valid_rows,
                                  gmem_thr.partition_D(swizzled(storage.q.data(), typename Traits::SmemLayoutQ{})),
                                  gmem_thr.partition_D(swizzled(storage.dout.data(), typename Traits::SmemLayoutQ{})),
                                  tQcQ, list, kThreads, gather_k_v);
+  deltas.store(storage.delta.data());
+  __syncthreads();
+  BackwardRowStats<kRows> stats;
+  stats.load(p, b, rows, row0, tScS_rc, storage.delta.data());
   // A shared bias row's values at each chunk's keys, staged as floats beside the keys: thread j
   // loads key j's value of chunk c + 1 (whose keys have landed) at the top of chunk c and stores
   // it at the end, so that the load hides behind chunk c's math; read from global memory by

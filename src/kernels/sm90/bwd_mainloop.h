@@ -132,7 +132,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
 
   // K and V of this tile, once. The barrier frees their buffers from a previous tile's readers.
   __syncthreads();
-  for (int i = tid; i < Traits::kOnesElems; i += Traits::kNThreads) buffers.ones[i] = Element(1.f);
+  MmaColumnSums<Traits>::fill_ones(buffers.ones);
   copy_k_v_async<Element, kBlockN, kHeadDim>(
       p, b, kv_h, n_block, gmem_thr,
       gmem_thr.partition_D(as_position_independent_swizzle_tensor(

@@ -87,6 +87,7 @@ template <typename Traits>
 cudaError_t launch_gather_forward(const ForwardParams& params, cudaStream_t stream) {
   // Lists built for another tile would have their row bits read at the wrong places.
   if (params.lists.block_m != Traits::kListRows || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
+  if (Traits::kPackedHeads == 2 && !pairs_share_operands(params.lists, params.bias)) return cudaErrorInvalidValue;
   return launch_query_tiles<Traits::kSmemBytes>(&forward_gather_kernel<Traits>, params, params, Traits::kBlockM,
                                                 Traits::kNThreads, stream);
 }
