@@ -52,7 +52,7 @@ struct GatheredKeys {
   // Chunk first_chunk is staged in buffer 0: a pipeline whose stages start at a split's first
   // chunk sets it, so that a chunk's staging shares its stage index.
   int first_chunk = 0;
-  // kStagesBias: the bias row whose values stage_bias() gathers (set by stage_bias_row()),
+  // kStagesBias: the bias row whose values a producer stages (set by stage_bias_row()),
   // nullptr where the logits read the bias from global memory instead.
   const char* bias_row = nullptr;
   ElementType bias_type = ElementType::float16;
@@ -85,7 +85,7 @@ struct GatheredKeys {
   }
 
   // Stages the bias where every query row of (b, query head h) reads one row, the common
-  // (B, Hk, 1, Sk) bias: stage_bias() then gathers its values at the chunk's keys. Both roles of
+  // (B, Hk, 1, Sk) bias: its values at the chunks' keys are then staged (put_bias). Both roles of
   // a CTA call it alike.
   __device__ __forceinline__ void stage_bias_row(const ForwardParams& p, int b, int h) {
     static_assert(kStagesBias, "this list has no room for bias values");
@@ -97,13 +97,21 @@ struct GatheredKeys {
     bias_key_broadcast = bias.col_stride == 0;
   }
 
-  // The staged bias row's value at `key` (kStagesBias, bias_row set), as a float.
-  __device__ __forceinline__ float bias_at(int key) const {
+  // The staged bias row's value at `key` (kStagesBias, bias_row set) in two steps, the load of its
+  // raw 2 or 4 bytes and their conversion to float, so that a thread can hold the load in flight
+  // across other work and convert where it stores the value: converting right after the load
+  // waited for the load there.
+  __device__ __forceinline__ std::uint32_t bias_bits_at(int key) const {
     if (bias_key_broadcast) key = 0;
-    if (bias_type == ElementType::bfloat16) return static_cast<float>(reinterpret_cast<const cute::bfloat16_t*>(bias_row)[key]);
-    if (bias_type == ElementType::float16) return static_cast<float>(reinterpret_cast<const cute::half_t*>(bias_row)[key]);
-    return reinterpret_cast<const float*>(bias_row)[key];
+    if (bias_type == ElementType::float32) return __ldg(reinterpret_cast<const unsigned int*>(bias_row) + key);
+    return __ldg(reinterpret_cast<const unsigned short*>(bias_row) + key);
   }
+  __device__ __forceinline__ float bias_from_bits(std::uint32_t bits) const {
+    if (bias_type == ElementType::bfloat16) return __uint_as_float(bits << 16);
+    if (bias_type == ElementType::float16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    return __uint_as_float(bits);
+  }
+  __device__ __forceinline__ float bias_at(int key) const { return bias_from_bits(bias_bits_at(key)); }
 
   // Key j's bias value into chunk c's staging (a plain store: the caller's barrier or arrival
   // releases it to the readers).
@@ -114,10 +122,12 @@ struct GatheredKeys {
 
   // Writes the bias values of chunk c (kStagesBias, bias_row set) into its staging with plain
   // loads and stores (cp.async cannot copy 2 bytes, nor convert), reading the keys from the list
-  // in global memory: a producer stages the bias before the chunk's keys have landed.
+  // in global memory: a producer stages the bias before the chunk's keys have landed. Each
+  // store waits for its key's load and then its value's (the sm90a gather forward's default;
+  // FLASH_DMATTN_GATHER_BIAS_PREFETCH loads them ahead instead).
   __device__ __forceinline__ void stage_bias(int c, int thread, int threads) const {
     const int valid = min(count - c * kBlockN, kBlockN);
-    for (int j = thread; j < valid; j += threads) put_bias(c, j, bias_at(bias_key_broadcast ? 0 : __ldg(keys + c * kBlockN + j)));
+    for (int j = thread; j < valid; j += threads) put_bias(c, j, bias_at(__ldg(keys + c * kBlockN + j)));
   }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.

@@ -164,7 +164,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // dS and dZ.
     await_tiles();
     const bool stages_bias = bias_staged_by_me(c + 1);
-    const float next_bias = stages_bias ? list.bias_at(list.staged_keys(c + 1)[tid]) : 0.f;
+    const std::uint32_t next_bias = stages_bias ? list.bias_bits_at(list.staged_keys(c + 1)[tid]) : 0u;
     if (c + 1 < chunks) gather_k_v(c + 1);
     if (c + 2 < chunks) list.stage(c + 2, tid, kThreads);
     cp_async_fence();
@@ -246,7 +246,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // while others ran made ptxas serialize the kernel's wgmma (C7518, docs/architecture.md).
     dbias.add_gathered_sums(h, keys, valid);
     // Chunk c + 1's slot was last read by chunk c - 2; the next barrier publishes the value.
-    if (stages_bias) list.put_bias(c + 1, tid, next_bias);
+    if (stages_bias) list.put_bias(c + 1, tid, list.bias_from_bits(next_bias));
   }
   cp_async_wait<0>();  // nothing is left in flight when the list is empty
 
