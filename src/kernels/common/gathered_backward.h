@@ -65,8 +65,8 @@ __device__ __forceinline__ void start_gathered_chunks(const BackwardParams& p, i
 // top-2048 backward, H200). kLanes threads per row, each over every kLanes-th 16-byte vector of
 // the row (a lane pair reads 32 contiguous bytes, a whole sector). The constructor issues the
 // loads and sum() adds them up: issued before the prologue waits for its copies, they land
-// behind that wait. Rows are 16-byte aligned and head dims multiples of 8 (the CUDA backend's
-// conditions for every kernel, params.h).
+// behind that wait. Rows are 16-byte aligned and head dims multiples of 8: the CUDA backend runs
+// no call otherwise (cannot_run in cuda_backend.cpp, validate.cpp).
 template <typename Element, int kHeadDim, int kBlockM, int kThreads>
 struct RowDeltas {
   static_assert(sizeof(Element) == 2 && kThreads % kBlockM == 0, "16-bit elements, whole rows per thread group");

@@ -111,7 +111,13 @@ struct GatheredKeys {
     if (bias_type == ElementType::float16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
     return __uint_as_float(bits);
   }
-  __device__ __forceinline__ float bias_at(int key) const { return bias_from_bits(bias_bits_at(key)); }
+  // Both steps at once (a plain load, converted where it lands).
+  __device__ __forceinline__ float bias_at(int key) const {
+    if (bias_key_broadcast) key = 0;
+    if (bias_type == ElementType::bfloat16) return static_cast<float>(reinterpret_cast<const cute::bfloat16_t*>(bias_row)[key]);
+    if (bias_type == ElementType::float16) return static_cast<float>(reinterpret_cast<const cute::half_t*>(bias_row)[key]);
+    return reinterpret_cast<const float*>(bias_row)[key];
+  }
 
   // Key j's bias value into chunk c's staging (a plain store: the caller's barrier or arrival
   // releases it to the readers).
@@ -127,7 +133,7 @@ struct GatheredKeys {
   // FLASH_DMATTN_GATHER_BIAS_PREFETCH loads them ahead instead).
   __device__ __forceinline__ void stage_bias(int c, int thread, int threads) const {
     const int valid = min(count - c * kBlockN, kBlockN);
-    for (int j = thread; j < valid; j += threads) put_bias(c, j, bias_at(__ldg(keys + c * kBlockN + j)));
+    for (int j = thread; j < valid; j += threads) put_bias(c, j, bias_at(bias_key_broadcast ? 0 : __ldg(keys + c * kBlockN + j)));
   }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.
