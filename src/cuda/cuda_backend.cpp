@@ -237,14 +237,21 @@ KernelFamily gather_forward_family(const Problem& p, int arch) {
   return choose_family(p, arch, Pass::forward);
 }
 
-// Whether the sm90a gather forward takes two query heads of a KV head per CTA (pack_group 2): in
-// even GQA groups whose heads pairwise read one list (list_heads) and one bias row (bias_heads,
-// 0: no bias), as the gather backward pairs them (gather_backward_pairs). Not for decode, which
-// packs whole groups (plan_forward), nor packed sequences, which have no gather path yet.
-bool gather_forward_pairs(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
+// Whether query heads 2k and 2k + 1 can share a CTA of the gather path: an even GQA group whose
+// heads pairwise read one list (list_heads: the mask's or the indices' heads) and one bias head
+// (bias_heads, 0: no bias). The kernels' launches check the same of their operands
+// (pairs_share_operands in kernels/common/gathered_keys.h).
+bool heads_pair_operands(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
   auto pairs_share = [&](std::int64_t operand_heads) { return operand_heads == 1 || (p.heads / operand_heads) % 2 == 0; };
-  return p.seqlen_q > kDecodePackedRows && !p.packed && p.group_size() % 2 == 0 && pairs_share(list_heads) &&
-         (bias_heads == 0 || pairs_share(bias_heads));
+  return p.group_size() % 2 == 0 && pairs_share(list_heads) && (bias_heads == 0 || pairs_share(bias_heads));
+}
+
+// Whether the sm90a gather forward takes two query heads of a KV head per CTA (pack_group 2),
+// where heads_pair_operands holds, as the gather backward pairs them (gather_backward_pairs).
+// Not for decode, which packs whole groups (plan_forward), nor packed sequences, which have no
+// gather path yet.
+bool gather_forward_pairs(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
+  return p.seqlen_q > kDecodePackedRows && !p.packed && heads_pair_operands(list_heads, bias_heads, p);
 }
 
 // The lists a gather forward of `family` reads: its kernel's tile, of half its rows where the
@@ -533,13 +540,11 @@ struct BackwardPlan {
 };
 
 // Whether the gather backward takes two query heads of a KV head per CTA (BackwardParams::
-// pair_heads): at the head dims that gain from it, in even GQA groups whose heads pairwise read
-// one list (list_heads: the mask's or the indices' heads) and one bias head (bias_heads, 0: no
-// bias), where the device has the shared memory (not an A100's 163 KB at D128).
+// pair_heads): at the head dims that gain from it, where heads_pair_operands holds and the device
+// has the shared memory (not an A100's 163 KB at D128).
 bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, const Problem& p) {
-  auto pairs_share = [&](std::int64_t operand_heads) { return operand_heads == 1 || (p.heads / operand_heads) % 2 == 0; };
-  return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) && p.group_size() % 2 == 0 &&
-         pairs_share(list_heads) && (bias_heads == 0 || pairs_share(bias_heads)) &&
+  return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) &&
+         heads_pair_operands(list_heads, bias_heads, p) &&
          smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim), 2), p);
 }
 
