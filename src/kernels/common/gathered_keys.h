@@ -111,29 +111,14 @@ struct GatheredKeys {
     if (bias_type == ElementType::float16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
     return __uint_as_float(bits);
   }
-  // Both steps at once (a plain load, converted where it lands).
-  __device__ __forceinline__ float bias_at(int key) const {
-    if (bias_key_broadcast) key = 0;
-    if (bias_type == ElementType::bfloat16) return static_cast<float>(reinterpret_cast<const cute::bfloat16_t*>(bias_row)[key]);
-    if (bias_type == ElementType::float16) return static_cast<float>(reinterpret_cast<const cute::half_t*>(bias_row)[key]);
-    return reinterpret_cast<const float*>(bias_row)[key];
-  }
+  // Both steps at once.
+  __device__ __forceinline__ float bias_at(int key) const { return bias_from_bits(bias_bits_at(key)); }
 
   // Key j's bias value into chunk c's staging (a plain store: the caller's barrier or arrival
   // releases it to the readers).
   __device__ __forceinline__ void put_bias(int c, int j, float value) const {
     static_assert(kStagesBias, "this list has no room for bias values");
     reinterpret_cast<float*>(staged + slot(c) * kStageWords + kListWords)[j] = value;
-  }
-
-  // Writes the bias values of chunk c (kStagesBias, bias_row set) into its staging with plain
-  // loads and stores (cp.async cannot copy 2 bytes, nor convert), reading the keys from the list
-  // in global memory: a producer stages the bias before the chunk's keys have landed. Each
-  // store waits for its key's load and then its value's (the sm90a gather forward's default;
-  // FLASH_DMATTN_GATHER_BIAS_PREFETCH loads them ahead instead).
-  __device__ __forceinline__ void stage_bias(int c, int thread, int threads) const {
-    const int valid = min(count - c * kBlockN, kBlockN);
-    for (int j = thread; j < valid; j += threads) put_bias(c, j, bias_at(bias_key_broadcast ? 0 : __ldg(keys + c * kBlockN + j)));
   }
 
   // Issues the cp.async copies (16 bytes each, the CTA's threads sharing them) that stage chunk c.

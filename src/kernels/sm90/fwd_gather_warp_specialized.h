@@ -29,10 +29,6 @@
 #include "kernels/sm90/warp_specialization.h"
 #include "kernels/sm90/wgmma.h"
 
-#ifndef FLASH_DMATTN_GATHER_BIAS_PREFETCH
-#define FLASH_DMATTN_GATHER_BIAS_PREFETCH 0
-#endif
-
 namespace flash_dmattn::kernels::sm90 {
 
 // The dense warp-specialized kernel's tiles, MMAs and layouts (128 x 128 tiles at every head dim),
@@ -64,10 +60,6 @@ struct GatherForwardTraits : ForwardTraits<Element_, kHeadDim_, KvLoads::tma_pro
   // 40): D128 paired stack 80 -> 32 bytes, one head 72 -> 16, and the training top-2048 forward
   // took 7% less time (docs/architecture.md).
   static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
-  // The producer loads a shared bias row's values a chunk ahead (produce_chunks). Off unless the
-  // build sets FLASH_DMATTN_GATHER_BIAS_PREFETCH (CMake option): 6% faster on the training
-  // top-2048 forward, but the GPU suite has not run on it yet (docs/architecture.md).
-  static constexpr bool kPrefetchBias = FLASH_DMATTN_GATHER_BIAS_PREFETCH;
 
   struct SharedStorage {
     alignas(1024) cute::array<Element_, cute::cosize_v<typename Base::SmemLayoutQ>> q;
@@ -132,35 +124,28 @@ __device__ __forceinline__ void produce_chunks(const ForwardParams& p, typename 
     ++state_v;
   };
   // A shared bias row's values at the chunks' keys go to the staging by plain loads and stores
-  // (cp.async cannot copy 2 bytes, nor convert). With kPrefetchBias thread j takes key j of each
-  // chunk, and chunk c's value is stored from a load issued during chunk c - 1, from the key
-  // loaded during chunk c - 2, so that no store waits on a load; stage_bias() loads the key and
-  // the value and stores in a row, which holds the producer's next copies behind two waits.
+  // (cp.async cannot copy 2 bytes, nor convert). Thread j takes key j of each chunk, and chunk c's
+  // value is stored from a load issued during chunk c - 1, from the key loaded during chunk c - 2,
+  // so that no store waits on a load: loading the key and the value and storing in a row held the
+  // producer's next copies behind two waits (6% of the training top-2048 forward).
   static_assert(kBlockN == 128, "a key of each chunk per producer thread");
-  constexpr bool kPrefetch = Traits::kPrefetchBias;
   const bool bias = list.bias_row != nullptr;
   auto key_at = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {  // key 0 past the list: loaded, never stored
     const int j = c * kBlockN + tid;
     return j < list.count ? __ldg(list.keys + j) : 0;
   };
-  std::uint32_t bias_bits = kPrefetch && bias && share.begin < share.end ? list.bias_bits_at(key_at(share.begin)) : 0;
-  int next_key = kPrefetch && bias ? key_at(share.begin + 1) : 0;
+  std::uint32_t bias_bits = bias && share.begin < share.end ? list.bias_bits_at(key_at(share.begin)) : 0;
+  int next_key = bias ? key_at(share.begin + 1) : 0;
   for (int c = share.begin; c < share.end; ++c) {
     pipe_k.producer_acquire(state_k);
     gather(tKsK(_, _, _, state_k.index()), c, k_rows, p.k_row_stride);
     list.stage(c, tid, 128);  // into slot state_k.index(): list.first_chunk is share.begin
     cutlass::arch::cpasync_barrier_arrive_noinc(pipe_k.producer_get_barrier(state_k));
     if (bias) {
-      if constexpr (kPrefetch) {
-        if (c * kBlockN + tid < list.count) list.put_bias(c, tid, list.bias_from_bits(bias_bits));
-      } else {
-        list.stage_bias(c, tid, 128);
-      }
+      if (c * kBlockN + tid < list.count) list.put_bias(c, tid, list.bias_from_bits(bias_bits));
       storage.bias_full[state_k.index()].arrive();
-      if constexpr (kPrefetch) {
-        bias_bits = list.bias_bits_at(next_key);  // chunk c + 1's
-        next_key = key_at(c + 2);
-      }
+      bias_bits = list.bias_bits_at(next_key);  // chunk c + 1's
+      next_key = key_at(c + 2);
     }
     ++state_k;
     if (c > share.begin) load_v(c - 1);
