@@ -64,53 +64,52 @@ __device__ __forceinline__ void start_gathered_chunks(const BackwardParams& p, i
 // that uses it instead of by a pass before the kernel (compute_dsum: 49 us of the 2.4 ms training
 // top-2048 backward, H200). kLanes threads per row, each over every kLanes-th 16-byte vector of
 // the row (a lane pair reads 32 contiguous bytes, a whole sector). The constructor issues the
-// loads and sum() adds them up: issued before the prologue waits for its copies, they land
-// behind that wait. Rows are 16-byte aligned and head dims multiples of 8: the CUDA backend runs
-// no call otherwise (cannot_run in cuda_backend.cpp, validate.cpp).
+// loads of O, which land while the prologue waits for its copies; store() reads dO from its
+// shared tile once that wait is over (holding dO's vectors too across the wait spilled). Rows
+// are 16-byte aligned and head dims multiples of 8: the CUDA backend runs no call otherwise
+// (cannot_run in cuda_backend.cpp, validate.cpp).
 template <typename Element, int kHeadDim, int kBlockM, int kThreads>
 struct RowDeltas {
   static_assert(sizeof(Element) == 2 && kThreads % kBlockM == 0, "16-bit elements, whole rows per thread group");
   static constexpr int kLanes = kThreads / kBlockM, kVec = 8;
   static constexpr int kPerLane = (kHeadDim / kVec + kLanes - 1) / kLanes;
-  uint4 o[kPerLane], d[kPerLane];
+  uint4 o[kPerLane];
 
   __device__ __forceinline__ RowDeltas(const BackwardParams& p, int b, const RowMap& rows, int row0, int valid_rows) {
     const ForwardParams& f = p.fwd;
     const int r = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
     const bool exists = r < valid_rows;
     const std::int64_t at = exists ? b * f.out_batch_stride + rows.offset(row0 + r, f.out_row_stride, f.out_head_stride) : 0;
-    const std::int64_t dat = exists ? b * p.dout_batch_stride + rows.offset(row0 + r, p.dout_row_stride, p.dout_head_stride) : 0;
     const Element* const out = static_cast<const Element*>(f.out) + at;
-    const Element* const dout = static_cast<const Element*>(p.dout) + dat;
     CUTE_UNROLL
     for (int v = 0; v < kPerLane; ++v) {
       const int col = (v * kLanes + lane) * kVec;
-      o[v] = d[v] = make_uint4(0, 0, 0, 0);
-      if (!exists || col >= f.head_dim) continue;
-      o[v] = __ldg(reinterpret_cast<const uint4*>(out + col));
-      d[v] = __ldg(reinterpret_cast<const uint4*>(dout + col));
+      o[v] = make_uint4(0, 0, 0, 0);
+      if (exists && col < f.head_dim) o[v] = __ldg(reinterpret_cast<const uint4*>(out + col));
     }
   }
 
-  // The row's Δ, in every lane of its group (fp32, the order fixed: reruns are bitwise equal).
-  __device__ __forceinline__ float sum() const {
+  // Row r's Δ into delta[r], r = 0 .. kBlockM - 1 (rows past Sq: 0, never read), with dO from
+  // sdO, the CTA's (kBlockM, kHeadDim) tile in shared memory (zero past Sq and head_dim), landed
+  // and visible to every thread. The order is fixed: reruns are bitwise equal.
+  template <typename TensorDO>
+  __device__ __forceinline__ void store(float* delta, const TensorDO& sdO) const {
+    const int r = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
     float total = 0.f;
     CUTE_UNROLL
     for (int v = 0; v < kPerLane; ++v) {
+      const int col = (v * kLanes + lane) * kVec;
+      if (col >= kHeadDim) continue;
+      // A swizzle moves whole 16-byte vectors: the 8 elements from col lie together.
+      const uint4 d = *reinterpret_cast<const uint4*>(&sdO(r, col));
       const Element* const ov = reinterpret_cast<const Element*>(&o[v]);
-      const Element* const dv = reinterpret_cast<const Element*>(&d[v]);
+      const Element* const dv = reinterpret_cast<const Element*>(&d);
       CUTE_UNROLL
       for (int k = 0; k < kVec; ++k) total += static_cast<float>(ov[k]) * static_cast<float>(dv[k]);
     }
     CUTE_UNROLL
     for (int offset = kLanes / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-    return total;
-  }
-
-  // Row r's Δ into delta[r], r = 0 .. kBlockM - 1 (rows past Sq: 0, never read).
-  __device__ __forceinline__ void store(float* delta) const {
-    const float total = sum();
-    if (threadIdx.x % kLanes == 0) delta[threadIdx.x / kLanes] = total;
+    if (lane == 0) delta[r] = total;
   }
 };
 

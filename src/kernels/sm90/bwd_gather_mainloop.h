@@ -140,7 +140,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
                                  gmem_thr.partition_D(swizzled(storage.q.data(), typename Traits::SmemLayoutQ{})),
                                  gmem_thr.partition_D(swizzled(storage.dout.data(), typename Traits::SmemLayoutQ{})),
                                  tQcQ, list, kThreads, gather_k_v);
-  deltas.store(storage.delta.data());
+  deltas.store(storage.delta.data(), view(storage.dout.data(), typename Traits::SmemLayoutQ{}));
   __syncthreads();
   BackwardRowStats<kRows> stats;
   stats.load(p, b, rows, row0, tScS_rc, storage.delta.data());
