@@ -18,8 +18,8 @@
 # sanitizers are memcheck, racecheck and synccheck.
 # GATHER_PROFILE=1 also prints the per-kernel durations of the gather path's forward against the
 # tile path's (ncu) for the scattered-key benchmark workloads, both paths' forward and backward
-# times, the gather backward's kernel durations, and its main kernel's L2 reduction traffic and
-# pipe use at D128.
+# times, the gather backward's kernel durations, its main kernel's L2 reduction traffic and pipe
+# use at D128, and where that kernel's warps wait (scripts/stall_summary.py).
 # PYTHON_TESTS="test_a.py test_b.py" also builds the module flash_dmattn._C in the same build
 # (nanobind from .carry/nanobind_pkg when present) and runs those files of tests/python against
 # it with the machine's torch (pytest from the wheels in .carry/py when it is missing).
@@ -172,6 +172,13 @@ lts__t_bytes.sum,dram__bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elaps
 sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
 smsp__inst_executed.sum build-gpu/flash_dmattn_bench_forward --runs 3 --only train_scatter2048_d128 2>&1 |
     grep -E "^  [A-Za-z_]|__" | cut -c1-120 | tee -a "$LOGS/gather_profile.txt"
+  # Where its warps wait, per instruction (PC sampling): scripts/stall_summary.py of the SASS table.
+  echo "--- train_scatter2048_d128, gather backward kernel: warp stalls (ncu PC sampling)"
+  FLASH_DMATTN_SPARSE_PATH=gather timeout 180 ncu --kernel-name regex:backward_gather_kernel --launch-count 1 \
+    --section WarpStateStats --section SourceCounters -f -o "$LOGS/gather_backward_stalls" \
+    build-gpu/flash_dmattn_bench_forward --runs 1 --only train_scatter2048_d128 > /dev/null 2>&1 &&
+    ncu -i "$LOGS/gather_backward_stalls.ncu-rep" --page source --csv --print-source sass > "$LOGS/gather_backward_sass.csv" &&
+    python3 scripts/stall_summary.py "$LOGS/gather_backward_sass.csv" | tee -a "$LOGS/gather_profile.txt"
   save_logs
 fi
 
