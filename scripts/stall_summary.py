@@ -76,17 +76,16 @@ def summarize(header: List[str], rows: List[List[str]], top: int, ranges: List[T
     column = {name: i for i, name in enumerate(header)}
     reasons = [h for h in header if h.startswith("stall_") and "(Not Issued)" not in h]
     samples = [number(r[column[SAMPLES]]) for r in rows]
+    per_row = [row_reasons(row, column, reasons, count) for row, count in zip(rows, samples)]
     total = sum(samples) or 1
     by_reason: Counter = Counter()
     by_opcode: Counter = Counter()
     opcode_reasons: Dict[str, Counter] = {}
-    for row, count in zip(rows, samples):
+    for row, count, mine in zip(rows, samples, per_row):
         op = opcode(row[column["Source"]])
         by_opcode[op] += count
-        mine = opcode_reasons.setdefault(op, Counter())
-        for reason, value in row_reasons(row, column, reasons, count).items():
-            by_reason[reason] += value
-            mine[reason] += value
+        opcode_reasons.setdefault(op, Counter()).update(mine)
+        by_reason.update(mine)
 
     def share(value: int) -> str:
         return f"{100.0 * value / total:5.1f}%"
@@ -103,16 +102,15 @@ def summarize(header: List[str], rows: List[List[str]], top: int, ranges: List[T
         lines.append("by range of instruction index:")
         for name, first, last in ranges:
             span = Counter()
-            for i in range(first, min(last + 1, len(rows))):
-                span.update(row_reasons(rows[i], column, reasons, samples[i]))
+            for mine in per_row[first:last + 1]:
+                span.update(mine)
             lines.append(f"  {name:20s} {first}-{last} {share(sum(samples[first:last + 1]))}  {main_reasons(span, 3)}")
     lines.append("hottest instructions (index, share, executed, SASS, main reasons):")
     for i in sorted(sorted(range(len(rows)), key=lambda i: -samples[i])[:top]):
         row = rows[i]
-        mine = row_reasons(row, column, reasons, samples[i])
         executed = row[column[EXECUTED]] if EXECUTED in column else "-"
         lines.append(f"  {i:6d} {share(samples[i])} {executed:>9s}  {row[column['Source']].strip()[:60]:60s}  "
-                     f"{main_reasons(mine)}")
+                     f"{main_reasons(per_row[i])}")
     return "\n".join(lines)
 
 
