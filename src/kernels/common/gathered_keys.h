@@ -73,6 +73,24 @@ struct GatheredKeys {
 
   __device__ __forceinline__ int chunks() const { return (count + kBlockN - 1) / kBlockN; }
 
+  // Step c of a walk over the list visits chunk position(c): chunks rotation, rotation + 1, ..., then
+  // from chunk 0. Every method that takes c takes the step; staging slots follow the steps. A
+  // backward rotates its walk (stagger) so that the CTAs running side by side, whose lists hold
+  // nearly the same keys, reduce into different keys' dK and dV rows at any moment; forwards
+  // walk from chunk 0.
+  int rotation = 0;
+  __device__ __forceinline__ int position(int c) const {
+    const int at = c + rotation, n = chunks();
+    return at < n ? at : at - n;
+  }
+  // Keys of step c's chunk: kBlockN, but in the list's last chunk.
+  __device__ __forceinline__ int valid(int c) const { return count - position(c) * kBlockN; }
+  // Starts the walk at chunk seed mod chunks(): the query tile's index spreads a head's CTAs.
+  __device__ __forceinline__ void stagger(int seed) {
+    const int n = chunks();
+    rotation = n > 0 ? seed % n : 0;
+  }
+
   __device__ __forceinline__ int slot(int c) const { return (c - first_chunk) % kStages; }
   __device__ __forceinline__ const int* staged_keys(int c) const {
     return reinterpret_cast<const int*>(staged + slot(c) * kStageWords);
@@ -135,14 +153,14 @@ struct GatheredKeys {
   __device__ __forceinline__ void stage(int c, int thread, int threads) const {
     using Vector = cute::uint128_t;
     std::uint32_t* dst = staged + slot(c) * kStageWords;
-    const int valid = count - c * kBlockN;
+    const int at = position(c), listed = count - at * kBlockN;
     for (int v = thread; v < kListWords / 4; v += threads) {
       const std::uint32_t* src;
       if (v < kBlockN / 4) {
-        if (4 * v >= valid) continue;
-        src = reinterpret_cast<const std::uint32_t*>(keys) + c * kBlockN + 4 * v;
+        if (4 * v >= listed) continue;
+        src = reinterpret_cast<const std::uint32_t*>(keys) + at * kBlockN + 4 * v;
       } else {
-        src = row_bits + std::int64_t(c) * kBlockM * kWords + 4 * v - kBlockN;
+        src = row_bits + std::int64_t(at) * kBlockM * kWords + 4 * v - kBlockN;
       }
       cute::SM80_CP_ASYNC_CACHEGLOBAL<Vector>::copy(*reinterpret_cast<const Vector*>(src),
                                                    *reinterpret_cast<Vector*>(dst + 4 * v));
@@ -156,7 +174,7 @@ struct GatheredKeys {
   __device__ __forceinline__ void load(TensorD&& dst, const TensorC& coords, int c, const Element* base,
                                        std::int64_t row_stride, int head_dim) const {
     const int* chunk = staged_keys(c);
-    copy_rows_by_pointer_async<Element>(dst, coords, count - c * kBlockN, head_dim,
+    copy_rows_by_pointer_async<Element>(dst, coords, valid(c), head_dim,
                                [&](int row) { return base + chunk[row] * row_stride; });
   }
 
@@ -184,7 +202,7 @@ struct GatheredKeys {
     // what hides whole rows (past Sq) and columns (past the list's end), once per chunk.
     const int lowest_col = get<1>(coords(0, 0));
     const int first_word = lowest_col / 32, shift = lowest_col % 32;
-    const int listed = count - c * kBlockN - lowest_col;  // offsets below it hold keys of the list
+    const int in_chunk = valid(c), listed = in_chunk - lowest_col;  // offsets below listed hold keys of the list
     std::uint32_t keep[kRows][kWords];  // the row's bits from lowest_col on
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -213,7 +231,7 @@ struct GatheredKeys {
         shared_bias = staged_bias(c)[k];
       } else if constexpr (kBias) {
         // The key at this column (key 0 past the list's end: its logit is discarded).
-        key = policy.bias_key_broadcast || c * kBlockN + k >= count ? 0 : chunk[k];
+        key = policy.bias_key_broadcast || k >= in_chunk ? 0 : chunk[k];
         if (policy.bias_shared_row) shared_bias = static_cast<float>(reinterpret_cast<const T*>(policy.bias_row[0])[key]);
       }
       CUTE_UNROLL

@@ -73,7 +73,8 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   Tensor sP = make_tensor(sK.data() + 2 * kKVBuffer, typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + kPdSElems, typename Traits::SmemLayoutPdS{});
   float* reduce = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + kPdSElems));
-  const typename Smem::List list(f.lists, b, h, query0, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
+  typename Smem::List list(f.lists, b, h, query0, reinterpret_cast<char*>(reduce + Traits::kReduceFloats));
+  list.stagger(m_block);
 
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
@@ -112,7 +113,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   for (int c = 0; c < chunks; ++c) {
     const int buffer = c % 2;
     const int* const keys = list.staged_keys(c);
-    const int valid = list.count - c * kBlockN;  // keys of this chunk (kBlockN but in the last)
+    const int valid = list.valid(c);
     cp_async_wait<0>();
     __syncthreads();  // chunk c's K and V and chunk c + 1's keys have landed; every warp is done with chunk c - 1
     if (c + 1 < chunks) gather_k_v(c + 1);

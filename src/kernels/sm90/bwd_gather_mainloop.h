@@ -85,6 +85,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   const int valid_rows = (f.seqlen_q - query0) * Traits::kPackedHeads;  // packed rows before Sq
   Storage& storage = *reinterpret_cast<Storage*>(smem);
   typename Traits::List list(f.lists, b, h, query0, reinterpret_cast<char*>(storage.staging.data()));
+  list.stagger(m_block);
   list.stage_bias_row(f, b, h);  // the pair of heads shares its bias head (the host's condition)
 
   // Global -> shared copies, by every thread, through the swizzled layouts wgmma reads.
@@ -149,14 +150,14 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
   // it at the end, so that the load hides behind chunk c's math; read from global memory by
   // the logits instead, the values' loads waited between S and P. Chunk 0's are staged here.
   auto bias_staged_by_me = [&](int c) CUTLASS_LAMBDA_FUNC_INLINE {
-    return list.bias_row != nullptr && c < chunks && tid < min(kBlockN, list.count - c * kBlockN);
+    return list.bias_row != nullptr && c < chunks && tid < min(kBlockN, list.valid(c));
   };
   if (bias_staged_by_me(0)) list.put_bias(0, tid, list.bias_at(list.staged_keys(0)[tid]));
 
   for (int c = 0; c < chunks; ++c) {
     const int buffer = c % 2;
     const int* const keys = list.staged_keys(c);
-    const int valid = list.count - c * kBlockN;  // keys of this chunk (kBlockN but in the last)
+    const int valid = list.valid(c);
     // Chunk c's K and V and chunk c + 1's keys have landed and are visible to wgmma; every
     // warpgroup's GEMMs of chunk c - 1, which read the other buffer, P and dS, have completed
     // (the wait<0> at the end of the loop). Every write of this chunk waits for this barrier:
