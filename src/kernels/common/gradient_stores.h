@@ -99,6 +99,41 @@ __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coo
 #endif
 }
 
+// The keys of a thread's rows of a gathered (kBlockN, D) accumulator tile (row n adds to
+// rows[keys[n]]), -1 for rows at or past the chunk's valid_rows. Read while the chunk's keys are
+// staged, they let its reductions go out after the staging slot is reused: the sm90a gather
+// backward sends a chunk's dK while the next chunk's S and dP run.
+template <int kRows>
+struct GatheredRowKeys {
+  int key[kRows];
+  __device__ __forceinline__ GatheredRowKeys() {  // no rows: nothing is added
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) key[r] = -1;
+  }
+  template <typename CoordsRC>
+  __device__ __forceinline__ GatheredRowKeys(const CoordsRC& coords_rc, const int* keys, int valid_rows) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = cute::get<0>(coords_rc(r, 0));
+      key[r] = row < valid_rows ? keys[row] : -1;
+    }
+  }
+};
+
+// The row keys of an accumulator whose coordinates (flat, as the MMA partitions them) are `coords`;
+// without keys, none.
+template <typename TensorC>
+__device__ __forceinline__ auto gathered_row_keys(const TensorC& coords, const int* keys, int valid_rows) {
+  using namespace cute;
+  Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
+  return GatheredRowKeys<decltype(size<0>(coords_rc))::value>(coords_rc, keys, valid_rows);
+}
+template <typename TensorC>
+__device__ __forceinline__ auto gathered_row_keys(const TensorC& coords) {
+  using namespace cute;
+  return GatheredRowKeys<decltype(size<0>(accumulator_as_rows_cols(coords.layout())))::value>();
+}
+
 #if __CUDA_ARCH__ >= 900
 // rows[keys[row]] += acc as accumulate_gathered_rows below, by 16-byte reductions: where the lanes
 // of a pair (lane, lane ^ 1) hold neighbouring column pairs of one row (columns 4k, 4k + 1 and
@@ -108,9 +143,9 @@ __device__ __forceinline__ void accumulate_dq(const Acc& acc, const TensorC& coo
 // quarter of the warps' stall samples were registers waiting for float2 reductions to drain them.
 // False, with nothing done, where the layout, a partial column tile or the alignment does not
 // allow it (the whole warp decides alike: the exchange needs every lane).
-template <typename AccRC, typename CoordsRC>
+template <typename AccRC, typename CoordsRC, typename RowKeys>
 __device__ __forceinline__ bool add_rows_by_quads(const AccRC& acc_rc, const CoordsRC& coords_rc, float* rows,
-                                                  const int* keys, int valid_rows, int head_dim, bool whole) {
+                                                  const RowKeys& row_keys, int head_dim, bool whole) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(acc_rc))::value;
   constexpr int kCols = decltype(size<1>(acc_rc))::value;
@@ -128,11 +163,10 @@ __device__ __forceinline__ bool add_rows_by_quads(const AccRC& acc_rc, const Coo
   if (!__all_sync(kWarp, quads)) return false;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    const int row = get<0>(coords_rc(r, 0));
-    const bool exists = row < valid_rows;
+    const bool exists = row_keys.key[r] >= 0;
     // The even lane keeps group c's pair and sends group c + 2's; the odd lane the other way round.
     // Its float4 starts 2 columns before its own pair of group c + 2.
-    std::int64_t offset = std::int64_t(exists ? keys[row] : 0) * head_dim + col0 + (odd ? 6 : 0);
+    std::int64_t offset = std::int64_t(exists ? row_keys.key[r] : 0) * head_dim + col0 + (odd ? 6 : 0);
     asm volatile("" : "+l"(offset));  // (kept as computed, as in accumulate_gathered_rows)
     float* const at = rows + offset;
     CUTE_UNROLL
@@ -152,16 +186,16 @@ __device__ __forceinline__ bool add_rows_by_quads(const AccRC& acc_rc, const Coo
 #endif
 
 // rows += acc at gathered rows (the gather path's dK and dV): row n of the accumulator's tile
-// adds to row keys[n] of `rows` (head_dim floats each), for n < valid_rows.
+// adds to row keys[n] of `rows` (head_dim floats each), for the rows that row_keys names.
 //
 // A thread's elements lie on a few rows (4 of a 64-row dK/dV tile at D = 128) at columns that the
 // layout fixes at compile time: each row's key is read and its address formed once, and the row's
 // reductions add constant offsets to it. Per element, the key's shared-memory load and the 64-bit
 // address (about 14 instructions per reduction, a branch around each) were about half of the
 // kernel's instructions per chunk at D = 128 (SASS), with a load-use wait before every reduction.
-template <typename Acc, typename TensorC>
+template <typename Acc, typename TensorC, int kKeyRows>
 __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const TensorC& coords, float* rows,
-                                                         const int* keys, int valid_rows, int head_dim) {
+                                                         const GatheredRowKeys<kKeyRows>& row_keys, int head_dim) {
   using namespace cute;
   Tensor acc_rc = make_tensor(acc.data(), accumulator_as_rows_cols(acc.layout()));
   Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
@@ -176,7 +210,7 @@ __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const T
   const bool whole = last_col < head_dim - col0;
 #if __CUDA_ARCH__ >= 900
   if constexpr (kCols % 4 == 0) {
-    if (add_rows_by_quads(acc_rc, coords_rc, rows, keys, valid_rows, head_dim, whole)) return;
+    if (add_rows_by_quads(acc_rc, coords_rc, rows, row_keys, head_dim, whole)) return;
   }
 #endif
   auto add_row = [&](int r, float* at, auto all_columns) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -193,9 +227,8 @@ __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const T
   };
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    const int row = get<0>(coords_rc(r, 0));
-    if (row >= valid_rows) continue;
-    std::int64_t offset = std::int64_t(keys[row]) * head_dim + col0;
+    if (row_keys.key[r] < 0) continue;
+    std::int64_t offset = std::int64_t(row_keys.key[r]) * head_dim + col0;
     // Kept as computed, or the compiler folds it back into every element's address (as in
     // accumulate_dq).
     asm volatile("" : "+l"(offset));
@@ -205,6 +238,13 @@ __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const T
       add_row(r, rows + offset, cute::false_type{});
     }
   }
+}
+
+// The same for the rows of a chunk whose keys are staged: rows n < valid_rows add to keys[n].
+template <typename Acc, typename TensorC>
+__device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const TensorC& coords, float* rows,
+                                                         const int* keys, int valid_rows, int head_dim) {
+  accumulate_gathered_rows(acc, coords, rows, gathered_row_keys(coords, keys, valid_rows), head_dim);
 }
 
 // True where the bulk-asynchronous copy unit exists (sm_90 and newer): cp.reduce.async.bulk.

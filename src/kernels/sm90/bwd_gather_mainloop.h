@@ -4,7 +4,7 @@
 // by query rows), with the roles of the operands swapped. The CTA's 128 packed rows (RowMap: packed
 // row r is query r / 2 of head r % 2; warpgroup w holds rows 64w..64w+63) keep Q, dO and dQ; per
 // chunk of 64 keys of the list, K and V are gathered and dK and dV of the chunk go out by fp32
-// reductions:
+// reductions (dV's while dK's wgmma runs, dK's during the next chunk's S and dP):
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P, dZ (-> dBias), dS  ->  dQ += dS·K,  dV[keys] += Pᵀ·dO,  dK[keys] += dSᵀ·Q
 // dV and dK sum the 128 rows, both heads, inside the wgmma; each warpgroup computes half of their
 // head-dim columns. All 256 threads gather the next chunk's K and V rows by cp.async while this
@@ -153,6 +153,12 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     return list.bias_row != nullptr && c < chunks && tid < min(kBlockN, list.valid(c));
   };
   if (bias_staged_by_me(0)) list.put_bias(0, tid, list.bias_at(list.staged_keys(0)[tid]));
+  // A chunk's dK goes out during the next chunk, while its S and dP run on the tensor cores: sent
+  // right after its wgmma, the reductions were the chunk's last step, with the tensor pipe idle
+  // (ncu: 40% of the warps' samples waited in the dK and dV reductions). Its rows' keys are read
+  // before the next barrier, after which chunk c + 3's keys reuse the slot.
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  auto dk_rows = gathered_row_keys(tdKVcdKV);  // none before chunk 0
 
   for (int c = 0; c < chunks; ++c) {
     const int buffer = c % 2;
@@ -179,6 +185,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     wgmma_issue<true>(mma_sdp, thr_sdp.partition_fragment_A(view(at.dout.data(), typename Traits::SmemLayoutQ{})),
                       thr_sdp.partition_fragment_B(view(v, typename Traits::SmemLayoutV{})), acc_dp);
+    accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, dk_rows, f.head_dim);  // chunk c - 1's
     warpgroup_wait<1>();  // S; dP may still run
     warpgroup_fence_operand(acc_s);
 
@@ -233,16 +240,15 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.p.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.dout.data(), typename Traits::SmemLayoutQt{})), acc_dv);
-    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.q.data(), typename Traits::SmemLayoutQt{})), acc_dk);
-    warpgroup_wait<1>();  // dQ, dbias and dV; dK's reductions wait for it while dV's go out
+    warpgroup_wait<1>();  // dQ, dbias and dV; dV's reductions go out while dK runs
     warpgroup_fence_operand(acc_dv);
     accumulate_gathered_rows(acc_dv, tdKVcdKV, gathered.dv, keys, valid, f.head_dim);
+    dk_rows = gathered_row_keys(tdKVcdKV, keys, valid);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
-    accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, keys, valid, f.head_dim);
     // Read after every wgmma has completed: registers of a completed wgmma read under branches
     // while others ran made ptxas serialize the kernel's wgmma (C7518, docs/architecture.md).
     dbias.add_gathered_sums(h, keys, valid);
@@ -250,6 +256,7 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     if (stages_bias) list.put_bias(c + 1, tid, list.bias_from_bits(next_bias));
   }
   cp_async_wait<0>();  // nothing is left in flight when the list is empty
+  accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, dk_rows, f.head_dim);  // the last chunk's
 
   store_gathered_dq<Element>(acc_dq, tdQcdQ, p, b, rows, row0, valid_rows);
 }
