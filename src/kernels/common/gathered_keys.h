@@ -83,7 +83,8 @@ struct GatheredKeys {
     const int at = c + rotation, n = chunks();
     return at < n ? at : at - n;
   }
-  // Keys of step c's chunk: kBlockN, but in the list's last chunk.
+  // Keys from step c's chunk to the list's end: a bound on the chunk's keys (all kBlockN of them
+  // but in the last chunk).
   __device__ __forceinline__ int valid(int c) const { return count - position(c) * kBlockN; }
   // Starts the walk at chunk seed mod chunks(): the query tile's index spreads a head's CTAs.
   __device__ __forceinline__ void stagger(int seed) {

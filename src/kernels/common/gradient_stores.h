@@ -201,6 +201,7 @@ __device__ __forceinline__ void accumulate_gathered_rows(const Acc& acc, const T
   Tensor coords_rc = make_tensor(coords.data(), accumulator_as_rows_cols(coords.layout()));
   constexpr int kRows = decltype(size<0>(acc_rc))::value;
   constexpr int kCols = decltype(size<1>(acc_rc))::value;
+  static_assert(kKeyRows == kRows, "row keys of this accumulator's rows");
   const int col0 = get<1>(coords_rc(0, 0));
   // Column c's offset from col0: a constant once the loops are unrolled.
   auto col_offset = [&](int c) { return get<1>(coords_rc(0, c)) - col0; };

@@ -249,8 +249,9 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
-    // Read after every wgmma has completed: registers of a completed wgmma read under branches
-    // while others ran made ptxas serialize the kernel's wgmma (C7518, docs/architecture.md).
+    // Read after every wgmma has completed: these registers of a completed wgmma, read under
+    // branches while others ran, made ptxas serialize the kernel's wgmma (C7518,
+    // docs/architecture.md). The deferred dK reductions at the chunk's top do not (no C7518).
     dbias.add_gathered_sums(h, keys, valid);
     // Chunk c + 1's slot was last read by chunk c - 2; the next barrier publishes the value.
     if (stages_bias) list.put_bias(c + 1, tid, list.bias_from_bits(next_bias));
