@@ -234,18 +234,18 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
-    wgmma_issue<false>(mma_dq, thr_dq.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdS{})),
-                       thr_dq.partition_fragment_B(view(k, typename Traits::SmemLayoutKt{})), acc_dq);
-    if (dbias_columns) dbias.columns.issue(softcap ? at.dz.data() : at.ds.data(), at.ones.data());
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.p.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.dout.data(), typename Traits::SmemLayoutQt{})), acc_dv);
+    if (dbias_columns) dbias.columns.issue(softcap ? at.dz.data() : at.ds.data(), at.ones.data());
     wgmma_issue<true>(mma_dkv, thr_dkv.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdSt{})),
                       thr_dkv.partition_fragment_B(view(at.q.data(), typename Traits::SmemLayoutQt{})), acc_dk);
-    warpgroup_wait<1>();  // dQ, dbias and dV; dV's reductions go out while dK runs
+    wgmma_issue<false>(mma_dq, thr_dq.partition_fragment_A(view(at.ds.data(), typename Traits::SmemLayoutPdS{})),
+                       thr_dq.partition_fragment_B(view(k, typename Traits::SmemLayoutKt{})), acc_dq);
+    warpgroup_wait<2>();  // dV and dbias; dV's reductions go out while dK and dQ run
     warpgroup_fence_operand(acc_dv);
-    accumulate_gathered_rows(acc_dv, tdKVcdKV, gathered.dv, keys, valid, f.head_dim);
-    dk_rows = gathered_row_keys(tdKVcdKV, keys, valid);
+    dk_rows = gathered_row_keys(tdKVcdKV, keys, valid);  // dV's rows, and dK's at the next chunk's top
+    accumulate_gathered_rows(acc_dv, tdKVcdKV, gathered.dv, dk_rows, f.head_dim);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dq);
