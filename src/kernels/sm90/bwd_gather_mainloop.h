@@ -170,12 +170,6 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     // chunk c + 1's rows into the other buffer, chunk c + 2's keys into chunk c - 1's slot, P,
     // dS and dZ.
     await_tiles();
-    const bool stages_bias = bias_staged_by_me(c + 1);
-    const std::uint32_t next_bias = stages_bias ? list.bias_bits_at(list.staged_keys(c + 1)[tid]) : 0u;
-    if (c + 1 < chunks) gather_k_v(c + 1);
-    if (c + 2 < chunks) list.stage(c + 2, tid, kThreads);
-    cp_async_fence();
-
     Storage& at = *reinterpret_cast<Storage*>(opaque(smem));
     Element* const k = at.k.data() + buffer * Traits::kKElems;
     Element* const v = at.v.data() + buffer * Traits::kVElems;
@@ -185,6 +179,13 @@ __device__ __forceinline__ void backward_gathered_query_tile(const BackwardParam
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     wgmma_issue<true>(mma_sdp, thr_sdp.partition_fragment_A(view(at.dout.data(), typename Traits::SmemLayoutQ{})),
                       thr_sdp.partition_fragment_B(view(v, typename Traits::SmemLayoutV{})), acc_dp);
+    // The next chunk's gathers are issued behind S and dP (they fill the other buffer), so that
+    // the tensor cores start right after the barrier.
+    const bool stages_bias = bias_staged_by_me(c + 1);
+    const std::uint32_t next_bias = stages_bias ? list.bias_bits_at(list.staged_keys(c + 1)[tid]) : 0u;
+    if (c + 1 < chunks) gather_k_v(c + 1);
+    if (c + 2 < chunks) list.stage(c + 2, tid, kThreads);
+    cp_async_fence();
     accumulate_gathered_rows(acc_dk, tdKVcdKV, gathered.dk, dk_rows, f.head_dim);  // chunk c - 1's
     warpgroup_wait<1>();  // S; dP may still run
     warpgroup_fence_operand(acc_s);
