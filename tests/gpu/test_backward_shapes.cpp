@@ -85,7 +85,8 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardGqa,
 // Where two query heads of a KV head read one mask head, bias head and dbias accumulator, the
 // gather backward stacks both heads' rows in one tile (gather_backward_pairs in
 // src/cuda/cuda_backend.cpp), whose dK and dV sum them in the MMA, at the head dims that
-// take it (D128; D64 runs one head per CTA, as a control). Groups of 2 and 4, mask heads 1 and
+// take it (D128; D64 runs one head per CTA, as a control). Groups of 2, 4 and 8 (one, two and
+// four pairs per KV head, whose CTAs add to the same dK and dV rows), mask heads 1 and
 // Hk, bias (B, Hk, 1, Sk)
 // (dbias per key, summed over rows), (1, 1, Sq, Sk) (dbias per element, summed over heads) or
 // none; softcap on the odd cases. Odd lengths, so that the last query tile holds rows past Sq.
@@ -119,7 +120,7 @@ std::string paired_name(const ::testing::TestParamInfo<PairedParam>& test) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backward, BackwardPairedHeads,
-                         ::testing::Combine(::testing::Values(64, 128), ::testing::Values(2, 4),
+                         ::testing::Combine(::testing::Values(64, 128), ::testing::Values(2, 4, 8),
                                             ::testing::Values(0, 1), ::testing::Values(0, 1, 2)),
                          paired_name);
 
