@@ -4,7 +4,7 @@
 // by query rows), with the roles of the operands swapped. The CTA's 128 packed rows (RowMap: packed
 // row r is query r / 2 of head r % 2; warpgroup w holds rows 64w..64w+63) keep Q, dO and dQ; per
 // chunk of 64 keys of the list, K and V are gathered and dK and dV of the chunk go out by fp32
-// reductions (dV's while dK's wgmma runs, dK's during the next chunk's S and dP):
+// reductions (dV's while dK's and dQ's wgmma run, dK's during the next chunk's S and dP):
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P, dZ (-> dBias), dS  ->  dQ += dS·K,  dV[keys] += Pᵀ·dO,  dK[keys] += dSᵀ·Q
 // dV and dK sum the 128 rows, both heads, inside the wgmma; each warpgroup computes half of their
 // head-dim columns. All 256 threads gather the next chunk's K and V rows by cp.async while this
