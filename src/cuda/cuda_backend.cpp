@@ -155,6 +155,7 @@ struct ForwardPlan {
   int pack_group = 1;
   int num_splits = 1;
   bool gather = false;  // the gather path: key lists (sm80 kernels unless gather_forward_family says sm90a)
+  bool mask_bytes = false;  // the kernel reads the bool mask's bytes: no summary (MaskReads in mask_bias.h)
   kernels::KvPipeline kv_pipeline = kernels::KvPipeline::two_phase;  // the sm80 tile path's (ForwardParams')
   kernels::KeyListExtent lists;
   std::size_t summary_bytes = 0, partial_out_bytes = 0, partial_lse_bytes = 0, lists_bytes = 0;
@@ -481,6 +482,13 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
       kernels::sm80::has_split_keys_ring(static_cast<int>(p.head_dim)) &&
       (key_tiles + plan.num_splits - 1) / plan.num_splits * tile.block_n >= kSplitKeysMinKeys) {
     plan.kv_pipeline = kernels::KvPipeline::ring_split_keys;
+    // Its tiles hold one slab of packed rows, for a decode one mask row, whose bytes it reads
+    // itself (MaskReads::bytes_or_summary): no summary pass to launch and wait for. A prepared
+    // mask's summary costs nothing more to read; a bit-packed mask has no bytes a key.
+    if (a.mask && !a.prepared_mask && a.mask->dtype == DType::boolean) {
+      plan.mask_bytes = true;
+      plan.summary_bytes = 0;
+    }
   }
   if (plan.num_splits > 1) {
     const std::size_t row_count = static_cast<std::size_t>(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
@@ -890,7 +898,7 @@ class CudaSm80Backend final : public BackendImpl {
                                                        workspace + plan.lists_offset(), stream, &params.summary,
                                                        &params.lists);
       if (e != cudaSuccess) return cuda_failure("the key lists from indices", e);
-    } else if (a.mask) {
+    } else if (a.mask && !plan.mask_bytes) {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
       if (plan.gather) {

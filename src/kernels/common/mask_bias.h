@@ -1,8 +1,9 @@
 // The mask and bias policy: classify a (query tile, key tile) pair, walk the tiles that have
 // visible keys, and turn raw q·k products into final logits (scale, softcap, bias, -inf where hidden).
 //
-// Emptiness comes from the tile summary (src/kernels/common/tile_summary.cu), built once per call;
-// causal and sequence-end limits come from index arithmetic and never from reading the mask.
+// Emptiness comes from the tile summary (src/kernels/common/tile_summary.cu), built once per call,
+// or in the decode ring from the bool mask's own bytes (MaskReads); causal and sequence-end limits
+// come from index arithmetic and never from reading the mask.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -75,6 +76,58 @@ struct SummaryView {
   }
 };
 
+// Where a kernel learns which keys the mask keeps. summary: the tile summary's classes and bits,
+// built by a pass before the kernel (or by a preparation). bytes_or_summary: also the bool mask's
+// own bytes, where the host left the summary out (the decode ring, KvPipeline::ring_split_keys:
+// its tiles hold one 16-row slab of packed rows, for a decode a single mask row, whose bytes the
+// walk reads instead of a summary that a launch in front of the kernel would build; plan_forward).
+enum class MaskReads { summary, bytes_or_summary };
+
+// One (batch, mask head)'s bool mask read as it lies, a byte per key (nonzero keeps it), for
+// MaskReads::bytes_or_summary. Row and key strides are 0 where the mask broadcasts (the key
+// stride is otherwise 1, validated).
+struct MaskByteView {
+  const std::uint8_t* rows = nullptr;  // row 0 of this (batch, mask head); nullptr: read the summary
+  std::int64_t row_stride = 0;
+  bool key_broadcast = false;
+
+  __device__ __forceinline__ MaskByteView(const ForwardParams& p, int b, int query_head) {
+    if (p.mask.ptr && !p.summary.classes) {
+      rows = static_cast<const std::uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
+             (query_head / p.mask.head_divisor) * p.mask.head_stride;
+      row_stride = p.mask.row_stride;
+      key_broadcast = p.mask.col_stride == 0;
+    }
+  }
+
+  // As SummaryView::refine, from the bytes of rows [m_begin, m_end) at keys [n_begin, n_last]: a
+  // full tile of a row as 16-byte loads where it is aligned, else byte by byte.
+  template <int kBlockN>
+  __device__ __forceinline__ void refine(TileClass& c, int m_begin, int m_end, int n_begin, int n_last) const {
+    std::uint32_t visible = 0, hidden = 0;
+    const int last_row = row_stride == 0 ? m_begin : m_end - 1;
+    for (int i = m_begin; i <= last_row; ++i) {
+      const std::uint8_t* keys = rows + i * row_stride + (key_broadcast ? 0 : n_begin);
+      const int count = key_broadcast ? 1 : n_last - n_begin + 1;
+      if (count == kBlockN && reinterpret_cast<std::uintptr_t>(keys) % 16 == 0) {
+        CUTE_UNROLL
+        for (int k = 0; k < kBlockN; k += 16) {
+          const uint4 w = *reinterpret_cast<const uint4*>(keys + k);
+          visible |= w.x | w.y | w.z | w.w;
+          hidden |= __vcmpeq4(w.x, 0u) | __vcmpeq4(w.y, 0u) | __vcmpeq4(w.z, 0u) | __vcmpeq4(w.w, 0u);
+        }
+      } else {
+        for (int k = 0; k < count; ++k) {
+          visible |= keys[k];
+          hidden |= keys[k] == 0;
+        }
+      }
+    }
+    c.skip |= visible == 0;
+    c.elementwise |= hidden != 0;
+  }
+};
+
 // The backward's view of one key tile and one query head: classifies the query tiles against the
 // fixed key tile, for ActiveTileWalk over query tiles. Tiles wholly above the causal diagonal
 // are skipped by index arithmetic.
@@ -106,7 +159,7 @@ struct QueryTileClassifier {
 
 // The forward's view of one query tile: classifies its key tiles, for the tile walk. Needs no
 // per-thread state, so a warp that only loads tiles (the sm90a producer) walks them too.
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, MaskReads kReads = MaskReads::summary>
 struct KeyTileClassifier {
   // Plain copies of what the classifier reads: holding a reference to the __grid_constant__
   // parameters would take their address and move every access to generic memory.
@@ -115,13 +168,20 @@ struct KeyTileClassifier {
   int m_begin, m_end;  // query rows [m_begin, m_end) that the tile's rows belong to
   int diagonal;        // causal: row i sees keys j <= i + diagonal
   SummaryView summary;  // this (batch, mask head)'s summary
+  MaskByteView bytes;   // or its bytes (MaskReads::bytes_or_summary, where the host gave no summary)
 
   // rows: what each packed row of the tile is; row0: the tile's first packed row. With packing,
   // every row of the tile shares one mask head (the host packs only then), hence one summary.
   __device__ __forceinline__ KeyTileClassifier(const ForwardParams& p, int b, const RowMap& rows, int row0)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), m_begin(rows.query(row0)),
         m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1), diagonal(p.seqlen_k - p.seqlen_q),
-        summary(p.summary, b, rows.head(row0)) {}
+        summary(p.summary, b, rows.head(row0)), bytes(p, b, rows.head(row0)) {
+    if constexpr (kReads == MaskReads::summary) bytes.rows = nullptr;
+  }
+
+  __device__ __forceinline__ bool reads_bytes() const {
+    return kReads == MaskReads::bytes_or_summary && bytes.rows != nullptr;
+  }
 
   // One past the last key tile any row of this CTA can see.
   __device__ __forceinline__ int n_block_end() const {
@@ -133,7 +193,11 @@ struct KeyTileClassifier {
   __device__ __forceinline__ TileClass classify(int n_block) const {
     const int n_begin = n_block * kBlockN, n_last = min(n_begin + kBlockN, seqlen_k) - 1;
     TileClass c{false, n_begin + kBlockN > seqlen_k || (causal && n_last > m_begin + diagonal)};
-    summary.refine(c, m_begin, m_end, n_begin, n_last);
+    if (reads_bytes()) {
+      bytes.refine<kBlockN>(c, m_begin, m_end, n_begin, n_last);
+    } else {
+      summary.refine(c, m_begin, m_end, n_begin, n_last);
+    }
     return c;
   }
 };
@@ -167,9 +231,11 @@ template <bool kSoftcap, BiasSource kBias, typename T>
 inline constexpr bool is_logit_kind_v<LogitKind<kSoftcap, kBias, T>> = true;
 
 // kRows, kCols: query rows and keys of the tile one thread holds in the accumulator layout.
-template <int kBlockM, int kBlockN, int kRows, int kCols>
-struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
-  using Classifier = KeyTileClassifier<kBlockM, kBlockN>;
+template <int kBlockM, int kBlockN, int kRows, int kCols, MaskReads kReads = MaskReads::summary>
+struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN, kReads> {
+  using Classifier = KeyTileClassifier<kBlockM, kBlockN, kReads>;
+  using Classifier::bytes;
+  using Classifier::reads_bytes;
   using Classifier::causal;
   using Classifier::diagonal;
   using Classifier::seqlen_k;
@@ -195,9 +261,10 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
                                             const TensorC& coords)
       : Classifier(p, b, rows, row0), scale(p.scale), softcap(p.softcap) {
     using namespace cute;
-    has_mask = p.summary.bits != nullptr;
+    has_mask = p.summary.bits != nullptr || reads_bytes();
     has_bias = p.bias.ptr != nullptr;
-    mask_key_broadcast = p.summary.col_stride == 0;  // one summary column: the mask's key dim is 1
+    // One summary column: the mask's key dim is 1.
+    mask_key_broadcast = reads_bytes() ? bytes.key_broadcast : p.summary.col_stride == 0;
     mask_row_words = p.summary.bits_row_words;
     bias_key_broadcast = p.bias.col_stride == 0;
     bias_shared_row = p.bias.row_stride == 0;
@@ -294,8 +361,13 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
       }
     }
     if (elementwise) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) load_window(r, n_begin + get<1>(coords(0, 0)), in.keep[r]);
+      if (reads_bytes()) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) load_window_from_bytes(r, coords, n_begin, in.keep[r]);
+      } else {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) load_window(r, n_begin + get<1>(coords(0, 0)), in.keep[r]);
+      }
     }
   }
 
@@ -416,6 +488,26 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN> {
     for (int k = 0; k <= kWindowWords; ++k) words[k] = w0 + k < mask_row_words ? row[w0 + k] : 0u;
     CUTE_UNROLL
     for (int k = 0; k < kWindowWords; ++k) window[k] = __funnelshift_r(words[k], words[k + 1], first % 32);
+  }
+
+  // The same window from the mask's bytes (MaskReads::bytes_or_summary), with only the bits of the
+  // thread's own columns set: a byte load each, at positions known at compile time. coords: the
+  // (rows, cols) view of the thread's elements.
+  template <typename TensorC>
+  __device__ __forceinline__ void load_window_from_bytes(int r, const TensorC& coords, int n_begin,
+                                                         std::uint32_t (&window)[kWindowWords]) const {
+    using namespace cute;
+    const std::uint8_t* row = bytes.rows + min(row_index[r], seqlen_q - 1) * bytes.row_stride;
+    const int lowest_col = get<1>(coords(0, 0));
+    CUTE_UNROLL
+    for (int k = 0; k < kWindowWords; ++k) window[k] = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int bit = get<1>(coords(0, c)) - lowest_col;  // a compile-time constant
+      // Keys past Sk read the last key: in bounds, and hidden by apply_tile.
+      const int j = bytes.key_broadcast ? 0 : min(n_begin + get<1>(coords(0, c)), seqlen_k - 1);
+      window[bit / 32] |= static_cast<std::uint32_t>(row[j] != 0) << (bit % 32);
+    }
   }
 
   // Works on the (rows, cols) view of the tile. Keys are contiguous or broadcast (validated: key

@@ -164,7 +164,11 @@ __device__ __forceinline__ void forward_tile(const ForwardParams& p, char* smem,
   constexpr int kCols =
       decltype(size<1>(make_tensor(tScS_policy.data(), accumulator_as_rows_cols(tScS_policy.layout()))))::value;
 
-  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols>;
+  // The decode ring reads a bool mask's bytes where the host built no summary (MaskReads). Not
+  // the row ring: the branch cost it 80 bytes of spills (ptxas, D128 bf16).
+  constexpr MaskReads kMaskReads =
+      kPipeline == KvPipeline::ring_split_keys ? MaskReads::bytes_or_summary : MaskReads::summary;
+  using Policy = MaskBiasPolicy<kBlockM, kBlockN, kRows, kCols, kMaskReads>;
   const Policy policy(p, b, rows, row0, tScS_policy);
   SplitTileWalk<Policy> tiles(policy, (p.seqlen_k + kBlockN - 1) / kBlockN, p.num_splits, split);
   OnlineSoftmax<kRows> softmax;
