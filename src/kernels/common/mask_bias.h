@@ -175,10 +175,9 @@ struct KeyTileClassifier {
   __device__ __forceinline__ KeyTileClassifier(const ForwardParams& p, int b, const RowMap& rows, int row0)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.causal), m_begin(rows.query(row0)),
         m_end(rows.query(min(row0 + kBlockM, rows.rows) - 1) + 1), diagonal(p.seqlen_k - p.seqlen_q),
-        summary(p.summary, b, rows.head(row0)), bytes(p, b, rows.head(row0)) {
-    if constexpr (kReads == MaskReads::summary) bytes.rows = nullptr;
-  }
+        summary(p.summary, b, rows.head(row0)), bytes(p, b, rows.head(row0)) {}
 
+  // Under MaskReads::summary the bytes are never read, whatever the host passed.
   __device__ __forceinline__ bool reads_bytes() const {
     return kReads == MaskReads::bytes_or_summary && bytes.rows != nullptr;
   }
@@ -263,7 +262,7 @@ struct MaskBiasPolicy : KeyTileClassifier<kBlockM, kBlockN, kReads> {
     using namespace cute;
     has_mask = p.summary.bits != nullptr || reads_bytes();
     has_bias = p.bias.ptr != nullptr;
-    // One summary column: the mask's key dim is 1.
+    // The mask's key dim is 1 (in the summary: one column).
     mask_key_broadcast = reads_bytes() ? bytes.key_broadcast : p.summary.col_stride == 0;
     mask_row_words = p.summary.bits_row_words;
     bias_key_broadcast = p.bias.col_stride == 0;
