@@ -252,6 +252,16 @@ def test_speedups_and_table():
     assert lines[2].index("2.000") + 5 == lines[1].index(" ms") + 3
 
 
+def test_kernel_timelines_print_under_the_table():
+    kernels = [{"name": "Memset", "us": 15.7, "gap_us": 0.0}, {"name": "backward_gather_kernel", "us": 2109.8,
+                                                                 "gap_us": 1.8}]
+    rows = [row("ours", "bwd", 2.2, kernels=kernels, span_us=2127.3, kernel_calls=8), row("flex", "bwd", 6.8)]
+    text = report.format_kernels(rows).splitlines()
+    assert text[0].startswith("kernels (us")
+    assert text[1:] == ["  ours bwd: span 2127.3 us = Memset 15.7 | backward_gather_kernel 2109.8 (+1.8)"]
+    assert report.format_kernels([row("ours", "fwd", 1.0)]) == ""
+
+
 def test_proportionality_of_a_window_sweep():
     def point(impl, x, gpu_ms, density):
         return row(impl, "bwd", gpu_ms * 2, gpu_ms=gpu_ms, tile_density=density, suite="windows",
@@ -436,6 +446,53 @@ def test_rotation_and_median_timing(monkeypatch):
                             settings=settings)
     assert result.reps == 4 and result.peak_bytes is None and result.ms >= 0 and result.queued_ms is None
     assert calls == [0, 1, 0, 1, 2, 0]   # warm-up, then the timed calls, rotating over the copies
+
+
+def test_kernel_names_are_shortened():
+    pytest.importorskip("torch")
+    from flash_dmattn.bench.timing import short_kernel_name
+    assert short_kernel_name("void flash_dmattn::kernels::sm90::backward_gather_kernel<T<1>>(P)") == \
+        "backward_gather_kernel"
+    assert short_kernel_name("void ns::(anonymous namespace)::reduce_dk_dv_kernel<__nv_bfloat16, 8>(P)") == \
+        "reduce_dk_dv_kernel"
+    assert short_kernel_name("Memset (Device)") == "Memset"
+
+
+def test_kernel_timeline_of_calls_between_sleeps():
+    pytest.importorskip("torch")
+    from flash_dmattn.bench.timing import Event, summarize_calls
+    events, t = [], 0.0
+    for call in range(4):
+        events.append(Event("forward_kernel<>(P)", t, t + 5))   # untimed: a backward's forward, before the sleep
+        t += 6
+        events.append(Event("spin_kernel", t, t + 100))          # opens the call
+        t += 101
+        events.append(Event("Memset (Device)", t, t + 2))
+        t += 3
+        main = 50 + call if call < 3 else 70
+        events.append(Event("void ns::main_kernel<1>(P)", t, t + main))
+        t += main + 1
+        if call == 3:                                            # an extra kernel: a shape of its own, left out
+            events.append(Event("extra", t, t + 1))
+            t += 2
+        events.append(Event("spin_kernel", t, t + 1))            # closes it
+        t += 10
+    timeline = summarize_calls(list(reversed(events)), is_marker=lambda name: "spin" in name)
+    assert timeline.calls == 3 and [k.name for k in timeline.kernels] == ["Memset", "main_kernel"]
+    assert [(k.us, k.gap_us) for k in timeline.kernels] == [(2, 0.0), (51, 1)]
+    assert timeline.span_us == 54
+    assert summarize_calls([Event("k", 0, 1)], is_marker=lambda name: "spin" in name) is None
+
+
+def test_cpu_run_has_no_kernel_timelines(capsys, tmp_path):
+    pytest.importorskip("torch")
+    argv = ["--suite", "smoke", "--device", "cpu", "--impl", "ours", "--max-cases", "1", "--modes", "fwd",
+            "--kernels", "--warmup", "1", "--min-reps", "1", "--max-reps", "1", "--no-progress",
+            "--json", str(tmp_path / "k.json")]
+    assert cli.main(argv) == 0
+    assert "kernels (us" not in capsys.readouterr().out
+    rows = json.load(open(tmp_path / "k.json"))["bench_cli"]["smoke"]["rows"]
+    assert rows and all("kernels" not in r for r in rows)
 
 
 def test_queued_timing_retries_overtaken_calls_with_longer_sleeps():

@@ -31,6 +31,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="comma-separated subset of fwd, bwd, fwd_bwd (forward-only cases time fwd alone)")
     parser.add_argument("--check", action="store_true",
                         help="compare outputs and gradients with ours and a float64 reference; exit 1 on a mismatch")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also profile each mode's calls (torch.profiler) and print their kernels' times and gaps")
     parser.add_argument("--quick", action="store_true", help="smaller suites (fewer, shorter points) for smoke runs")
     parser.add_argument("--max-cases", type=int, default=0, metavar="N", help="the first N cases of each suite")
     parser.add_argument("--case", action="append", metavar="TEXT",
@@ -131,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     settings = timing.Settings(args.warmup, args.min_reps, args.max_reps, args.budget_ms)
     options = harness.Options(device, getattr(torch, args.dtype), settings, args.modes, args.check, args.seed,
-                              args.verbose)
+                              args.verbose, args.kernels)
     clock = timing.Clock(device)
 
     plan = [(suite, case) for suite in suite_names for case in suites.cases(suite, args.quick, args.max_cases)
@@ -155,6 +157,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows_by_suite[suite] += rows
         # Each case's block as soon as it is measured: a long run shows its results as it goes.
         progress.write("\n" + report.format_table(rows))
+        kernels = report.format_kernels(rows)
+        if kernels:
+            progress.write(kernels)
         progress.advance()
     progress.close()
 

@@ -30,6 +30,7 @@ class Options:
     check: bool = False
     seed: int = 0
     verbose: bool = False
+    kernels: bool = False  # each mode's kernel timeline (timing.kernel_timeline) into its row
 
 
 @dataclass
@@ -215,8 +216,11 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
     for mode in modes:
         prepare, run = _steps(runner, mode, copies)
         # A backward follows its own forward on the same inputs: flush whenever the inputs fit in L2.
-        measured = timing.measure(clock, prepare, run, copies_count, flush or (mode == "bwd" and copies_count > 1),
-                                  options.settings)
+        flush_mode = flush or (mode == "bwd" and copies_count > 1)
+        measured = timing.measure(clock, prepare, run, copies_count, flush_mode, options.settings)
+        timeline = None
+        if options.kernels and measured.host_ms is not None:
+            timeline = timing.kernel_timeline(clock, prepare, run, copies_count, flush_mode, measured.host_ms)
         dense = flops.case_dense_flops(case, mode)
         visited, density = _visited(impl, runner, case, pairs, mode)
         # The per-mask preparation belongs to a step's forward; a backward reuses what it made.
@@ -226,4 +230,13 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
                      "dense_tflops": dense / measured.ms / 1e9,
                      "visited_tflops": visited / measured.ms / 1e9, "tile_density": density,
                      "peak_mib": None if measured.peak_bytes is None else measured.peak_bytes / 2**20,
-                     "reps": measured.reps, "check": verdict, "check_errors": errors, "notes": notes})
+                     "reps": measured.reps, "check": verdict, "check_errors": errors, "notes": notes,
+                     **timeline_fields(timeline)})
+
+
+def timeline_fields(timeline: Optional[timing.Timeline]) -> dict:
+    """A row's record of its kernel timeline (none without one)."""
+    if timeline is None:
+        return {}
+    return {"kernels": [{"name": k.name, "us": round(k.us, 2), "gap_us": round(k.gap_us, 2)} for k in timeline.kernels],
+            "span_us": round(timeline.span_us, 2), "kernel_calls": timeline.calls}

@@ -70,6 +70,22 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
+def format_kernels(rows: List[dict]) -> str:
+    """Each row's kernel timeline (--kernels) on a line: kernel duration (gap before it) in us, and
+    the call's span; empty where no row has one."""
+    lines = []
+    for row in rows:
+        kernels = row.get("kernels")
+        if not kernels:
+            continue
+        parts = " | ".join(f"{k['name']} {k['us']:.1f}" + (f" (+{k['gap_us']:.1f})" if i else "")
+                           for i, k in enumerate(kernels))
+        lines.append(f"  {row['impl']} {row['mode']}: span {row['span_us']:.1f} us = {parts}")
+    if not lines:
+        return ""
+    return "kernels (us, medians of calls queued behind a sleep; (+gap) before a kernel):\n" + "\n".join(lines)
+
+
 def proportionality(rows: List[dict]) -> str:
     """Per sweep, implementation and mode: each point's time over (its tile density / the densest
     point's) x the densest point's time, issue 26's measure of a time that follows the tile density

@@ -19,6 +19,11 @@ what the call costs where the host runs ahead, as in a training step or under CU
 what "kernel time" means for every implementation alike. A call whose host work outlasts the
 sleep (or that waits for the GPU itself) is detected and not counted.
 
+Kernels (`--kernels`): the same queued calls under torch's profiler give each kernel of a call
+its duration and the gap before it (medians over the calls), and the call's span from its first
+kernel's start to its last one's end: where a call's GPU time goes, for every implementation
+alike.
+
 On the CPU (`--device cpu`, for testing the harness) the clock is time.perf_counter.
 """
 import gc
@@ -27,7 +32,7 @@ import statistics
 import time
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -40,6 +45,21 @@ class Timing:
     reps: int
     peak_bytes: Optional[int] = None
     queued_ms: Optional[float] = None  # median GPU time with the host ahead (Clock.time_queued_ms)
+    host_ms: Optional[float] = None    # the longest host time of a timed call
+
+
+@dataclass
+class Kernel:
+    name: str      # short: no return type, namespaces, template arguments or parameters
+    us: float      # median duration
+    gap_us: float  # median idle time before it, after the call's previous kernel (0 for the first)
+
+
+@dataclass
+class Timeline:
+    kernels: List[Kernel]
+    span_us: float  # median time from the first kernel's start to the last one's end
+    calls: int      # the calls whose kernels these are
 
 
 # The timing effort: the CLI's --warmup, --min-reps, --max-reps and --budget-ms.
@@ -140,7 +160,7 @@ def measure(clock: Clock, prepare: Callable[[int], object], run: Callable[[objec
         times.append(one(i))
         host.append(clock.host_ms)
     queued = queued_ms(clock, prepare, run, copies, flush, reps, max(host)) if clock.cuda else None
-    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run), queued)
+    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run), queued, max(host))
 
 
 def queued_ms(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
@@ -199,3 +219,76 @@ def wall_ms(clock: Clock, fn: Callable[[], object], settings: Settings) -> float
     for _ in range(max(1, settings.warmup)):
         one()
     return statistics.median(one() for _ in range(settings.min_reps))
+
+
+def short_kernel_name(name: str) -> str:
+    """'void ns::(anonymous namespace)::reduce_kernel<float, 8>(Params)' -> 'reduce_kernel';
+    'Memset (Device)' -> 'Memset'."""
+    name = name.replace("(anonymous namespace)::", "")
+    for stop in ("<", "("):
+        name = name.split(stop, 1)[0]
+    name = name.strip()
+    if name.startswith("void "):
+        name = name[len("void "):]
+    return name.rsplit("::", 1)[-1].strip() or "?"
+
+
+# One profiled kernel: its name and start and end in microseconds.
+Event = namedtuple("Event", "name start end")
+
+
+def summarize_calls(events: Sequence[Event], is_marker: Callable[[str], bool],
+                    opening_us: float = 50.0) -> Optional[Timeline]:
+    """The timeline of calls that each lie between an opening marker (a sleep of at least
+    opening_us) and the next marker: what runs after a short marker (the untimed work before a
+    call: a backward's forward, an L2 flush) belongs to no call. The calls whose sequence of
+    kernel names is the most common one are summarized, position by position; None without any
+    call."""
+    calls: List[List[Event]] = []
+    current: Optional[List[Event]] = None
+    for event in sorted(events, key=lambda e: e.start):
+        if is_marker(event.name):
+            if current:
+                calls.append(current)
+            current = [] if event.end - event.start >= opening_us else None
+        elif current is not None:
+            current.append(event)
+    if current:
+        calls.append(current)
+    if not calls:
+        return None
+    shapes = [tuple(e.name for e in call) for call in calls]
+    common = max(set(shapes), key=lambda shape: (shapes.count(shape), -shapes.index(shape)))
+    kept = [call for call, shape in zip(calls, shapes) if shape == common]
+    kernels = []
+    for i, name in enumerate(common):
+        duration = statistics.median(call[i].end - call[i].start for call in kept)
+        gap = statistics.median(call[i].start - call[i - 1].end for call in kept) if i else 0.0
+        kernels.append(Kernel(short_kernel_name(name), duration, gap))
+    span = statistics.median(call[-1].end - call[0].start for call in kept)
+    return Timeline(kernels, span, len(kept))
+
+
+def kernel_timeline(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
+                    flush: bool, host_ms: float, calls: int = 8) -> Optional[Timeline]:
+    """The kernels of `calls` calls, each queued behind a sleep as queued_ms times them and
+    followed by a short one that closes it, from torch's profiler; None on the CPU or where no
+    call's kernels could be told apart."""
+    if not clock.cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    cycles_per_ms = clock._sleep_cycles_per_ms()
+    opening = int((0.1 + 2 * host_ms) * cycles_per_ms)  # at least 100 us: summarize_calls' opening_us
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for i in range(calls):
+            state = prepare(i % copies)
+            if flush:
+                clock.flush_l2()
+            torch.cuda._sleep(opening)
+            run(state)
+            torch.cuda._sleep(1)
+            clock.sync()  # (the call's state is dropped before the next one, as between timed calls)
+    events = [Event(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    return summarize_calls(events, is_marker=lambda name: "sleep" in name or "spin" in name)
