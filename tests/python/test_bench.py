@@ -258,7 +258,7 @@ def test_kernel_timelines_print_under_the_table():
     rows = [row("ours", "bwd", 2.2, kernels=kernels, span_us=2127.3, kernel_calls=8), row("flex", "bwd", 6.8)]
     text = report.format_kernels(rows).splitlines()
     assert text[0].startswith("kernels (us")
-    assert text[1:] == ["  ours bwd: span 2127.3 us = Memset 15.7 | backward_gather_kernel 2109.8 (+1.8)"]
+    assert text[1:] == ["  ours bwd (8 calls): span 2127.3 us = Memset 15.7 | backward_gather_kernel 2109.8 (+1.8)"]
     assert report.format_kernels([row("ours", "fwd", 1.0)]) == ""
 
 
@@ -481,18 +481,47 @@ def test_kernel_timeline_of_calls_between_sleeps():
     assert timeline.calls == 3 and [k.name for k in timeline.kernels] == ["Memset", "main_kernel"]
     assert [(k.us, k.gap_us) for k in timeline.kernels] == [(2, 0.0), (51, 1)]
     assert timeline.span_us == 54
+    # Calls left out by keep (they overtook their sleep) do not count.
+    kept = summarize_calls(events, is_marker=lambda name: "spin" in name, keep=[False, True, True, True])
+    assert kept.calls == 2 and kept.kernels[1].us == 51.5
     assert summarize_calls([Event("k", 0, 1)], is_marker=lambda name: "spin" in name) is None
+    # What runs after a short (closing) sleep is no call's, even where it comes first.
+    untimed_first = [Event("spin", 0, 1), Event("B", 2, 3), Event("spin", 4, 104), Event("A", 105, 106),
+                     Event("spin", 107, 108)]
+    only = summarize_calls(untimed_first, is_marker=lambda name: "spin" in name)
+    assert only.calls == 1 and [k.name for k in only.kernels] == ["A"]
 
 
-def test_cpu_run_has_no_kernel_timelines(capsys, tmp_path):
+def test_kernels_option_prints_and_keeps_each_modes_timeline(capsys, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    argv = ["--suite", "smoke", "--device", "cpu", "--impl", "ours", "--max-cases", "1", "--modes", "fwd",
+    from flash_dmattn.bench import timing
+    argv = ["--suite", "smoke", "--device", "cpu", "--impl", "ours", "--max-cases", "1", "--modes", "fwd,bwd",
             "--kernels", "--warmup", "1", "--min-reps", "1", "--max-reps", "1", "--no-progress",
             "--json", str(tmp_path / "k.json")]
+    # On the CPU there is no timeline: nothing printed, nothing kept, no note.
     assert cli.main(argv) == 0
     assert "kernels (us" not in capsys.readouterr().out
     rows = json.load(open(tmp_path / "k.json"))["bench_cli"]["smoke"]["rows"]
-    assert rows and all("kernels" not in r for r in rows)
+    assert rows and all("kernels" not in r and not any("timeline" in n for n in r["notes"]) for r in rows)
+    # Where the profiler gives one, each mode's row prints and keeps it.
+    fake = timing.Timeline([timing.Kernel("main_kernel", 12.5, 0.0), timing.Kernel("combine", 2.0, 1.25)], 15.75, 8)
+    monkeypatch.setattr(timing, "kernel_timeline", lambda *args, **kwargs: fake)
+    assert cli.main(argv + ["--json", str(tmp_path / "k2.json")]) == 0
+    out = capsys.readouterr().out
+    assert "  ours fwd (8 calls): span 15.8 us = main_kernel 12.5 | combine 2.0 (+1.2)" in out
+    assert "  ours bwd (8 calls): span 15.8 us" in out
+    rows = json.load(open(tmp_path / "k2.json"))["bench_cli"]["smoke"]["rows"]
+    assert {r["mode"] for r in rows} == {"fwd", "bwd"}
+    assert all(r["kernels"][1] == {"name": "combine", "us": 2.0, "gap_us": 1.25} and r["span_us"] == 15.75 and
+               r["kernel_calls"] == 8 for r in rows)
+    # A profiler failure leaves the timed row, with a note.
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUPTI unavailable")
+    monkeypatch.setattr(timing, "kernel_timeline", broken)
+    assert cli.main(argv + ["--json", str(tmp_path / "k3.json")]) == 0
+    rows = json.load(open(tmp_path / "k3.json"))["bench_cli"]["smoke"]["rows"]
+    assert all(r["status"] == "ok" and any(n.startswith("no kernel timeline") and "CUPTI unavailable" in n
+                                            for n in r["notes"]) for r in rows)
 
 
 def test_queued_timing_retries_overtaken_calls_with_longer_sleeps():

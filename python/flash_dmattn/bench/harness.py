@@ -218,9 +218,15 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
         # A backward follows its own forward on the same inputs: flush whenever the inputs fit in L2.
         flush_mode = flush or (mode == "bwd" and copies_count > 1)
         measured = timing.measure(clock, prepare, run, copies_count, flush_mode, options.settings)
-        timeline = None
-        if options.kernels and measured.host_ms is not None:
-            timeline = timing.kernel_timeline(clock, prepare, run, copies_count, flush_mode, measured.host_ms)
+        timeline, timeline_note = None, []
+        # Not where the queued timing gave up (a call that waits for the GPU): its gaps would be host time.
+        if options.kernels and not (clock.cuda and measured.queued_ms is None):
+            try:
+                timeline = timing.kernel_timeline(clock, prepare, run, copies_count, flush_mode, measured.host_ms)
+            except Exception as error:  # the timed row stands without it
+                timeline_note = [f"no kernel timeline ({first_line(error)})"]
+            else:
+                timeline_note = [] if timeline is not None or not clock.cuda else ["no kernel timeline (no call's kernels)"]
         dense = flops.case_dense_flops(case, mode)
         visited, density = _visited(impl, runner, case, pairs, mode)
         # The per-mask preparation belongs to a step's forward; a backward reuses what it made.
@@ -230,7 +236,7 @@ def _measure_impl(impl: Implementation, runner: Runner, problem: Problem, pairs:
                      "dense_tflops": dense / measured.ms / 1e9,
                      "visited_tflops": visited / measured.ms / 1e9, "tile_density": density,
                      "peak_mib": None if measured.peak_bytes is None else measured.peak_bytes / 2**20,
-                     "reps": measured.reps, "check": verdict, "check_errors": errors, "notes": notes,
+                     "reps": measured.reps, "check": verdict, "check_errors": errors, "notes": notes + timeline_note,
                      **timeline_fields(timeline)})
 
 

@@ -78,9 +78,9 @@ def format_kernels(rows: List[dict]) -> str:
         kernels = row.get("kernels")
         if not kernels:
             continue
-        parts = " | ".join(f"{k['name']} {k['us']:.1f}" + (f" (+{k['gap_us']:.1f})" if i else "")
+        parts = " | ".join(f"{k['name']} {k['us']:.1f}" + (f" ({k['gap_us']:+.1f})" if i else "")
                            for i, k in enumerate(kernels))
-        lines.append(f"  {row['impl']} {row['mode']}: span {row['span_us']:.1f} us = {parts}")
+        lines.append(f"  {row['impl']} {row['mode']} ({row['kernel_calls']} calls): span {row['span_us']:.1f} us = {parts}")
     if not lines:
         return ""
     return "kernels (us, medians of calls queued behind a sleep; (+gap) before a kernel):\n" + "\n".join(lines)

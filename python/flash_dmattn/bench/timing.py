@@ -114,7 +114,7 @@ class Clock:
         stop.synchronize()
         return start.elapsed_time(stop)
 
-    def _sleep_cycles_per_ms(self) -> float:
+    def sleep_cycles_per_ms(self) -> float:
         """torch.cuda._sleep's spin cycles per ms on this device, measured once."""
         if getattr(self, "_cycles_per_ms", None) is None:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -130,7 +130,7 @@ class Clock:
         for such a call): None where the sleep had ended before run() returned on the host, so
         that the GPU may have waited for the host (a call that synchronizes always does)."""
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int((0.1 + 2 * host_ms) * self._sleep_cycles_per_ms()))
+        torch.cuda._sleep(int((0.1 + 2 * host_ms) * self.sleep_cycles_per_ms()))
         start.record()
         run()
         stop.record()
@@ -237,24 +237,27 @@ def short_kernel_name(name: str) -> str:
 Event = namedtuple("Event", "name start end")
 
 
-def summarize_calls(events: Sequence[Event], is_marker: Callable[[str], bool],
-                    opening_us: float = 50.0) -> Optional[Timeline]:
+def summarize_calls(events: Sequence[Event], is_marker: Callable[[str], bool], opening_us: float = 50.0,
+                    keep: Optional[Sequence[bool]] = None) -> Optional[Timeline]:
     """The timeline of calls that each lie between an opening marker (a sleep of at least
     opening_us) and the next marker: what runs after a short marker (the untimed work before a
-    call: a backward's forward, an L2 flush) belongs to no call. The calls whose sequence of
-    kernel names is the most common one are summarized, position by position; None without any
-    call."""
+    call: a backward's forward, an L2 flush) belongs to no call. keep[i] False leaves out the
+    i-th call (one that overtook its sleep). The calls whose sequence of kernel names is the most
+    common one are summarized, position by position; None without any call."""
     calls: List[List[Event]] = []
     current: Optional[List[Event]] = None
     for event in sorted(events, key=lambda e: e.start):
         if is_marker(event.name):
-            if current:
+            if current is not None:
                 calls.append(current)
             current = [] if event.end - event.start >= opening_us else None
         elif current is not None:
             current.append(event)
-    if current:
+    if current is not None:
         calls.append(current)
+    if keep is not None:
+        calls = [call for call, kept in zip(calls, keep) if kept]
+    calls = [call for call in calls if call]
     if not calls:
         return None
     shapes = [tuple(e.name for e in call) for call in calls]
@@ -272,23 +275,30 @@ def summarize_calls(events: Sequence[Event], is_marker: Callable[[str], bool],
 def kernel_timeline(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
                     flush: bool, host_ms: float, calls: int = 8) -> Optional[Timeline]:
     """The kernels of `calls` calls, each queued behind a sleep as queued_ms times them and
-    followed by a short one that closes it, from torch's profiler; None on the CPU or where no
-    call's kernels could be told apart."""
+    followed by a short one that closes it, from torch's profiler. A call that overtook its sleep
+    (its host work outlasted it) is left out and the next sleeps grow 4x, as in queued_ms. None
+    on the CPU or where no call's kernels could be told apart."""
     if not clock.cuda:
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    cycles_per_ms = clock._sleep_cycles_per_ms()
-    opening = int((0.1 + 2 * host_ms) * cycles_per_ms)  # at least 100 us: summarize_calls' opening_us
+    cycles_per_ms = clock.sleep_cycles_per_ms()
+    closing = int(0.005 * cycles_per_ms)  # about 5 us: far under summarize_calls' opening_us
+    keep = []
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for i in range(calls):
             state = prepare(i % copies)
             if flush:
                 clock.flush_l2()
-            torch.cuda._sleep(opening)
+            # At least 100 us, twice summarize_calls' opening_us; 4x longer after each overtaken call.
+            torch.cuda._sleep(int((0.1 + 2 * host_ms) * 4 ** min(keep.count(False), 2) * cycles_per_ms))
+            started = torch.cuda.Event()
+            started.record()
             run(state)
-            torch.cuda._sleep(1)
-            clock.sync()  # (the call's state is dropped before the next one, as between timed calls)
+            keep.append(not started.query())
+            torch.cuda._sleep(closing)
+            clock.sync()
+            del state  # before the next call's prepare, as between timed calls
     events = [Event(e.name, e.time_range.start, e.time_range.end) for e in profiler.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
-    return summarize_calls(events, is_marker=lambda name: "sleep" in name or "spin" in name)
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return summarize_calls(events, is_marker=lambda name: "sleep" in name or "spin" in name, keep=keep)
