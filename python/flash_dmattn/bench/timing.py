@@ -125,13 +125,21 @@ class Clock:
             self._cycles_per_ms = 10**7 / max(start.elapsed_time(stop), 1e-3)
         return self._cycles_per_ms
 
+    def sleep_for_host(self, host_ms: float):
+        """Queues a sleep of 0.1 ms plus twice host_ms (the host's time for the call that follows)
+        and returns an event recorded after it: a call whose host work outlasted the sleep finds
+        the event complete once it returns (query())."""
+        torch.cuda._sleep(int((0.1 + 2 * host_ms) * self.sleep_cycles_per_ms()))
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
     def time_queued_ms(self, run: Callable[[], object], host_ms: float) -> Optional[float]:
         """The GPU time of run() queued behind a sleep of 0.1 ms plus twice host_ms (the host's time
         for such a call): None where the sleep had ended before run() returned on the host, so
         that the GPU may have waited for the host (a call that synchronizes always does)."""
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int((0.1 + 2 * host_ms) * self.sleep_cycles_per_ms()))
-        start.record()
+        start = self.sleep_for_host(host_ms)
+        stop = torch.cuda.Event(enable_timing=True)
         run()
         stop.record()
         overtaken = start.query()  # (after stop's record: the GPU never waits for it)
@@ -159,8 +167,9 @@ def measure(clock: Clock, prepare: Callable[[int], object], run: Callable[[objec
     for i in range(reps):
         times.append(one(i))
         host.append(clock.host_ms)
-    queued = queued_ms(clock, prepare, run, copies, flush, reps, max(host)) if clock.cuda else None
-    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run), queued, max(host))
+    host_ms = max(host)
+    queued = queued_ms(clock, prepare, run, copies, flush, reps, host_ms) if clock.cuda else None
+    return Timing(statistics.median(times), reps, peak_bytes(clock, prepare, run), queued, host_ms)
 
 
 def queued_ms(clock: Clock, prepare: Callable[[int], object], run: Callable[[object], object], copies: int,
@@ -282,18 +291,15 @@ def kernel_timeline(clock: Clock, prepare: Callable[[int], object], run: Callabl
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    cycles_per_ms = clock.sleep_cycles_per_ms()
-    closing = int(0.005 * cycles_per_ms)  # about 5 us: far under summarize_calls' opening_us
+    closing = int(0.005 * clock.sleep_cycles_per_ms())  # about 5 us: far under summarize_calls' opening_us
     keep = []
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for i in range(calls):
             state = prepare(i % copies)
             if flush:
                 clock.flush_l2()
-            # At least 100 us, twice summarize_calls' opening_us; 4x longer after each overtaken call.
-            torch.cuda._sleep(int((0.1 + 2 * host_ms) * 4 ** min(keep.count(False), 2) * cycles_per_ms))
-            started = torch.cuda.Event()
-            started.record()
+            # At least 100 us, twice summarize_calls' opening_us; longer after overtaken calls.
+            started = clock.sleep_for_host(host_ms * 4 ** min(keep.count(False), 2))
             run(state)
             keep.append(not started.query())
             torch.cuda._sleep(closing)
