@@ -251,5 +251,32 @@ std::string length_name(const ::testing::TestParamInfo<LengthCase>& test) {
 
 INSTANTIATE_TEST_SUITE_P(Forward, Lengths, ::testing::ValuesIn(length_cases()), length_name);
 
+// ---- a prefill of few query tiles, split over the keys: thousands of rows to combine ----
+
+// Two heads of 1500 query rows fill a few dozen CTAs, so the keys are split to fill the GPU and
+// 3000 rows are merged by the combine's kernel for many rows (split_combine.cu), a few lanes a row
+// at every head dim. Causal with Sq > Sk: the first 300 rows see no key (O = 0, LSE = +inf).
+class SplitPrefill : public GpuParamTest<HeadDimParam> {};
+
+TEST_P(SplitPrefill, MatchesReference) {
+  auto rng = test_rng();
+  const auto [head_dim, dtype] = GetParam();
+  for (const bool causal : {false, true}) {
+    ForwardCase c;
+    c.n = Sizes{1, 1500, 1200, 2, 1, head_dim};
+    c.dtype = dtype;
+    c.mask = OperandShape{true, c.n.Hk, true, true};
+    c.bias = OperandShape{true, c.n.Hk, false, true};
+    c.causal = causal;
+    SCOPED_TRACE(causal ? "causal" : "full");
+    expect_forward_matches_reference(ForwardProblem::random(c, rng), stream());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Forward, SplitPrefill,
+                         ::testing::Combine(::testing::Values(32, 40, 64, 128, 256),
+                                            ::testing::Values(DType::float16, DType::bfloat16)),
+                         head_dim_name);
+
 }  // namespace
 }  // namespace flash_dmattn::test
