@@ -85,7 +85,7 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardGqa,
 // Where two query heads of a KV head read one mask head, bias head and dbias accumulator, the
 // gather backward stacks both heads' rows in one tile (gather_backward_pairs in
 // src/cuda/cuda_backend.cpp), whose dK and dV sum them in the MMA, at the head dims that
-// take it (D128; D64 runs one head per CTA, as a control). Groups of 2, 4 and 8 (one, two and
+// take it (D128; D64 and D32 run one head per CTA, as controls). Groups of 2, 4 and 8 (one, two and
 // four pairs per KV head, whose CTAs add to the same dK and dV rows), mask heads 1 and
 // Hk, bias (B, Hk, 1, Sk)
 // (dbias per key, summed over rows), (1, 1, Sq, Sk) (dbias per element, summed over heads) or
@@ -120,7 +120,7 @@ std::string paired_name(const ::testing::TestParamInfo<PairedParam>& test) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backward, BackwardPairedHeads,
-                         ::testing::Combine(::testing::Values(64, 128), ::testing::Values(2, 4, 8),
+                         ::testing::Combine(::testing::Values(32, 64, 128), ::testing::Values(2, 4, 8),
                                             ::testing::Values(0, 1), ::testing::Values(0, 1, 2)),
                          paired_name);
 
@@ -187,7 +187,8 @@ struct LengthCase {
   int head_dim;
 };
 
-// (L, L) non-causal in bf16; (L, 2L+3) and (2L+3, L) causal in fp16; then (4095, 4095) causal.
+// (L, L) non-causal in bf16; (L, 2L+3) and (2L+3, L) causal in fp16; then (4095, 4095) causal;
+// D128 but for that one (D64) and three lengths at D32.
 std::vector<LengthCase> length_cases() {
   std::vector<LengthCase> cases;
   for (const int l : {1, 17, 63, 65, 127, 128, 129, 1000}) {
@@ -196,6 +197,12 @@ std::vector<LengthCase> length_cases() {
     cases.push_back({2 * l + 3, l, true, 128});
   }
   cases.push_back({4095, 4095, true, 64});
+  // D32 (the sm90a key-tile backward's 128-key tiles, as at D64) around and past its tiles.
+  for (const int l : {17, 129, 1000}) {
+    cases.push_back({l, l, false, 32});
+    cases.push_back({l, 2 * l + 3, true, 32});
+    cases.push_back({2 * l + 3, l, true, 32});
+  }
   return cases;
 }
 
@@ -229,7 +236,7 @@ TEST_P(BackwardLengths, MatchReference) {
 
 std::string length_name(const ::testing::TestParamInfo<LengthCase>& test) {
   return "Sq" + std::to_string(test.param.sq) + "_Sk" + std::to_string(test.param.sk) +
-         (test.param.causal ? "_causal" : "_full");
+         (test.param.causal ? "_causal" : "_full") + (test.param.head_dim == 32 ? "_D32" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backward, BackwardLengths, ::testing::ValuesIn(length_cases()), length_name);

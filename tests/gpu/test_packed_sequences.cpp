@@ -244,7 +244,8 @@ TEST_P(PackedSequencesBackward, EachSequenceMatchesItsReference) {
   }
 }
 
-// Sequences: lengths 0, 1, odd and long; keys longer than queries and the reverse; GQA and MQA.
+// Sequences: lengths 0, 1, odd and long; keys longer than queries and the reverse; GQA and MQA;
+// head dims 32, 64 and 128.
 const auto kCases =
     ::testing::Values(PackedCase{{5, 1, 130, 0, 64}, {5, 77, 130, 9, 0}, 4, 2, 64, {true, 2, true, true},
                                  {true, 4, false, true}, true},
@@ -254,7 +255,10 @@ const auto kCases =
                       // A bias row per (batch, head) of max_k = 136 keys: the sm90a TMA forward stages it by
                       // bulk copies, whose sizes a sequence's key count (100, 45) must not break.
                       PackedCase{{77, 20, 131}, {100, 131, 45}, 4, 2, 64, {true, 2, true, true}, {true, 2, false, true},
-                                 true});
+                                 true},
+                      // D32: its own sm90a backward tiles (128 keys, as at D64).
+                      PackedCase{{5, 1, 260, 0, 64}, {5, 77, 130, 9, 200}, 4, 2, 32, {true, 2, true, true},
+                                 {true, 4, false, true}, true});
 
 INSTANTIATE_TEST_SUITE_P(Cases, PackedSequencesForward, kCases);
 INSTANTIATE_TEST_SUITE_P(Cases, PackedSequencesBackward, kCases);
