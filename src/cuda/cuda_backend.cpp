@@ -517,14 +517,15 @@ bool dq_in_own_kernel(const BackwardArgs& a, const Problem& p) {
   return true;
 }
 
-// How a backward runs: the kernel family, the grid (one CTA per key tile, or in deterministic
-// mode key_splits CTAs striding over them; on the gather path one per query tile), how dbias is
-// produced, and the workspace layout that follows: [tile summary][Δ][dq accumulators][dbias
-// accumulators][dK and dV accumulators][key lists].
+// How a backward runs: the kernel family, the grid (one CTA per key tile, or head_splits of them;
+// in deterministic mode key_splits CTAs striding over the key tiles; on the gather path one per
+// query tile), how dbias is produced, and the workspace layout that follows: [tile summary][Δ][dq
+// accumulators][dbias accumulators][dK and dV accumulators][key lists].
 struct BackwardPlan {
   KernelFamily family = KernelFamily::sm80;
   int key_tiles = 0;
   int key_splits = 1;  // deterministic: CTAs per (KV head, batch), each owning a dq slot
+  int head_splits = 1;  // CTAs per (key tile, KV head, batch), sharing out the query heads
   int dq_slots = 1;
   bool separate_dq = false;  // dQ by the sm90a dQ kernel: no dq slots (BackwardParams::separate_dq)
   bool gather = false;       // the gather path: key lists, dQ per query tile, dK and dV by reductions
@@ -554,6 +555,27 @@ bool gather_backward_pairs(std::int64_t list_heads, std::int64_t bias_heads, con
   return kernels::sm80::gather_backward_pairs_heads_at(static_cast<int>(p.head_dim)) &&
          heads_pair_operands(list_heads, bias_heads, p) &&
          smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim), 2), p);
+}
+
+// Key-tile CTAs per (key tile, KV head, batch) (BackwardParams::head_splits). Under causal
+// masking key tile 0 walks every query tile of its group's heads, twice the average walk, and
+// where the grid is under two waves the kernel lasts as long as that walk: the seed's B1 H2/Hk1
+// S16384 D32 has 128 CTAs, and key tile 0 walks 2 x 256 query tiles. Sharing the group's query
+// heads out among CTAs shortens every walk alike, so the smallest divisor of the group that
+// makes two waves, or the whole group. Not in deterministic mode (its own grid), on the gather
+// path (its grid is of query tiles) or where sequences have lengths of their own (a key tile
+// past a shorter sequence's keys writes nothing, and the slots' sums would read unwritten rows).
+int backward_head_splits(const Problem& p, const BackwardPlan& plan, int ctas_per_sm) {
+  const int group = static_cast<int>(p.group_size());
+  if (plan.gather || p.deterministic || per_sequence_lengths(p) || p.empty() || group < 2) return 1;
+  const std::int64_t ctas = std::int64_t(plan.key_tiles) * p.kv_heads * p.batch;
+  const std::int64_t two_waves = 2 * std::int64_t(device_info(p.device.index).multiprocessors) * ctas_per_sm;
+  if (ctas >= two_waves) return 1;
+  int splits = group;
+  for (int d = group - 1; d > 1; --d) {
+    if (group % d == 0 && ctas * d >= two_waves) splits = d;
+  }
+  return splits;
 }
 
 // Whether a backward takes the gather path: where gather_applies holds for its pass (under auto,
@@ -610,6 +632,11 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
     plan.key_splits = static_cast<int>(std::clamp<std::int64_t>(wave / ctas_per_split, 1, std::max(1, plan.key_tiles)));
     plan.dq_slots = plan.key_splits;
   }
+  plan.head_splits = backward_head_splits(p, plan, ctas_per_sm);
+  if (plan.head_splits > 1) {
+    plan.dkv_accum_bytes =
+        static_cast<std::size_t>(plan.head_splits * p.batch * p.kv_heads * p.seqlen_k * p.head_dim) * sizeof(float);
+  }
   if (a.indices) {
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);  // (cannot_run: indices take the gather path)
   } else if (a.mask && !a.prepared_mask) {
@@ -644,10 +671,12 @@ BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
   const bool kv_shared = bias_heads < p.kv_heads;
   const bool grid_empty = p.batch == 0 || p.heads == 0 || plan.key_tiles == 0;
   const bool heads_in_cta = bias_heads != p.heads && p.group_size() > 1;
+  // Head splits share a bias head's query heads out among CTAs (unless each has its own).
+  const bool heads_split = plan.head_splits > 1 && bias_heads != p.heads;
   // On the gather path every query tile adds to the keys it gathers: always reductions.
   // Packed sequences: the key tiles past a shorter sequence's keys write nothing, so their dBias
   // elements come from the zeroed accumulators.
-  g.direct = keys && !grid_empty && !batch_shared && !kv_shared && !plan.gather && !p.packed &&
+  g.direct = keys && !grid_empty && !batch_shared && !kv_shared && !heads_split && !plan.gather && !p.packed &&
              (g.kind == kernels::BiasGradKind::columns || !heads_in_cta);
   if (g.direct) return plan;
   if (p.deterministic && keys) {
@@ -703,6 +732,7 @@ kernels::BackwardParams backward_params(const BackwardArgs& a, const Problem& p,
   b.pair_heads = plan.pair_heads;
   b.deterministic = p.deterministic;
   b.key_splits = plan.key_splits;
+  b.head_splits = plan.head_splits;
   b.separate_dq = plan.separate_dq;
   return b;
 }
@@ -945,10 +975,12 @@ class CudaSm80Backend final : public BackendImpl {
         if (l != cudaSuccess) return cuda_failure("the key-list launch", l);
       }
     }
-    // One memset zeroes every accumulator (each memset costs the host 6-15 us, about a launch).
+    // One memset zeroes every accumulator (each memset costs the host 6-15 us, about a launch);
+    // head splits write every element of their dK and dV slots.
     const std::size_t accumulators = plan.accumulators_offset();
-    if (plan.lists_offset() > accumulators) {
-      const cudaError_t e = cudaMemsetAsync(workspace + accumulators, 0, plan.lists_offset() - accumulators, stream);
+    const std::size_t zeroed_end = plan.head_splits > 1 ? plan.dkv_offset() : plan.lists_offset();
+    if (zeroed_end > accumulators) {
+      const cudaError_t e = cudaMemsetAsync(workspace + accumulators, 0, zeroed_end - accumulators, stream);
       if (e != cudaSuccess) return cuda_failure("zeroing the backward accumulators", e);
     }
     cudaError_t e = cudaSuccess;
@@ -961,10 +993,11 @@ class CudaSm80Backend final : public BackendImpl {
       e = sm90a ? kernels::sm90::backward(params, stream) : kernels::sm80::backward(params, stream);
       if (e != cudaSuccess) return cuda_failure(sm90a ? "the sm90a backward launch" : "the sm80 backward launch", e);
     }
-    if (plan.gather) {
+    if (plan.gather || plan.head_splits > 1) {
       e = kernels::reduce_dk_dv(params, stream);
       if (e != cudaSuccess) return cuda_failure("the dk/dv reduction launch", e);
-    } else if (!plan.separate_dq) {
+    }
+    if (!plan.gather && !plan.separate_dq) {
       e = kernels::reduce_dq(params, stream);
       if (e != cudaSuccess) return cuda_failure("the dq reduction launch", e);
     }

@@ -196,9 +196,15 @@ struct BackwardParams {
   // into. Otherwise one CTA per key tile, all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
-  // The gather path (fwd.lists set, sm80 kernels): a CTA per query tile keeps dQ in registers and
-  // writes it once; dK and dV of the keys it gathers go by reductions into these fp32
-  // accumulators, (B, Hk, Sk, head_dim), zeroed by the host; reduce_dk_dv() writes them out.
+  // Key-tile CTAs per (key tile, KV head, batch), each walking head_splits-th of the GQA group's
+  // query heads (the host splits where the grid is under two waves: plan_backward): the walk of
+  // key tile 0, the longest under causal masking, shrinks by as much.
+  int head_splits = 1;
+  // fp32 accumulators of dK and dV, (head_splits, B, Hk, Sk, head_dim), which reduce_dk_dv() sums
+  // over the slots and writes out. The gather path (fwd.lists set: a CTA per query tile keeps dQ
+  // in registers and writes it once) adds the dK and dV of the keys it gathers to its one slot by
+  // reductions, into memory the host zeroed; head splits store their partial sums into their own
+  // slots, each element once.
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
   // dQ comes from a kernel of its own (sm90a, bwd_dq_mainloop.h), a CTA per query tile that sums

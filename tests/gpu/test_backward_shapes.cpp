@@ -81,6 +81,23 @@ INSTANTIATE_TEST_SUITE_P(Backward, BackwardGqa,
                                             ::testing::Values(0, 1, 2)),
                          gqa_name);
 
+// Small grids (under two waves of key-tile CTAs) share each KV head's query heads out among CTAs
+// (head splits, plan_backward in src/cuda/cuda_backend.cpp), which every case above is. A grid
+// of 17 key tiles x 4 KV heads x 4 batches (272 CTAs, two waves of a 132-SM device's single CTA
+// per SM) keeps the whole group in one CTA instead, with dBias per key written directly.
+class BackwardGqaWideGrid : public GpuTest {};
+
+TEST_F(BackwardGqaWideGrid, MatchesReference) {
+  auto rng = test_rng();
+  BackwardCase c;
+  c.n = Sizes{4, 40, 17 * 128, 8, 4, 64};
+  c.dtype = DType::float16;
+  c.mask = OperandShape{true, c.n.Hk, true, true};
+  c.bias = OperandShape{true, c.n.Hk, false, true};
+  c.causal = true;
+  expect_backward_matches_reference(BackwardProblem::random(c, rng), stream());
+}
+
 // ---- the gather backward's paired heads ----
 // Where two query heads of a KV head read one mask head, bias head and dbias accumulator, the
 // gather backward stacks both heads' rows in one tile (gather_backward_pairs in

@@ -127,21 +127,31 @@ __global__ void __launch_bounds__(kThreads) reduce_dq_kernel(const __grid_consta
                      sum, f.scale);
 }
 
-// One thread per kVec elements of the gather path's dK and dV accumulators, (b, kv head, key, d).
+// One thread per kVec elements of dK and dV, (b, kv head, key, d): the sums over the accumulator
+// slots (BackwardParams::dk_accum), in slot order.
 template <typename Element, int kVec>
 __global__ void __launch_bounds__(kThreads) reduce_dk_dv_kernel(const __grid_constant__ BackwardParams p) {
   const ForwardParams& f = p.fwd;
+  const std::int64_t slot_stride = std::int64_t(f.batch) * f.kv_heads * f.seqlen_k * f.head_dim;
   const std::int64_t e = (std::int64_t(blockIdx.x) * kThreads + threadIdx.x) * kVec;
-  if (e >= std::int64_t(f.batch) * f.kv_heads * f.seqlen_k * f.head_dim) return;
+  if (e >= slot_stride) return;
   const int d = static_cast<int>(e % f.head_dim);
   const std::int64_t row = e / f.head_dim;
   const int j = static_cast<int>(row % f.seqlen_k), h = static_cast<int>(row / f.seqlen_k % f.kv_heads);
   const int b = static_cast<int>(row / (std::int64_t(f.seqlen_k) * f.kv_heads));
+  auto sum_slots = [&](const float* accum, float (&sum)[kVec]) {
+    load_vector<kVec>(accum + e, sum);
+    for (int s = 1; s < p.head_splits; ++s) {
+      float part[kVec];
+      load_vector<kVec>(accum + s * slot_stride + e, part);
+      for (int k = 0; k < kVec; ++k) sum[k] += part[k];
+    }
+  };
   float values[kVec];
-  load_vector<kVec>(p.dk_accum + e, values);
+  sum_slots(p.dk_accum, values);
   store_vector<kVec>(static_cast<Element*>(p.dk) + b * p.dk_batch_stride + j * p.dk_row_stride + h * p.dk_head_stride + d,
                      values, f.scale);
-  load_vector<kVec>(p.dv_accum + e, values);
+  sum_slots(p.dv_accum, values);
   store_vector<kVec>(static_cast<Element*>(p.dv) + b * p.dv_batch_stride + j * p.dv_row_stride + h * p.dv_head_stride + d,
                      values, 1.f);
 }

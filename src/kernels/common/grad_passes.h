@@ -15,7 +15,7 @@ cudaError_t compute_dsum(const BackwardParams& params, cudaStream_t stream);
 // dq = scale · Σ_slots dq_accum.
 cudaError_t reduce_dq(const BackwardParams& params, cudaStream_t stream);
 
-// dk = scale · dk_accum, dv = dv_accum: the gather path's (BackwardParams::dk_accum).
+// dk = scale · Σ_slots dk_accum, dv = Σ_slots dv_accum (BackwardParams::dk_accum).
 cudaError_t reduce_dk_dv(const BackwardParams& params, cudaStream_t stream);
 
 // dbias = Σ_slots dbias accum, for a BiasGrad that is not `direct`.

@@ -7,6 +7,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cstdint>
 
+#include "kernels/common/backward_grid.h"
 #include "kernels/common/fragment_layouts.h"
 #include "kernels/params.h"
 
@@ -322,14 +323,23 @@ class StagedDqReduction {
   int pending_bytes_ = 0;
 };
 
-// dK = scale·Σ dSᵀ·Q and dV = Σ Pᵀ·dO of key tile n_block, summed over every query tile of the
-// GQA group's heads: written once, in Element.
+// dK = scale·Σ dSᵀ·Q and dV = Σ Pᵀ·dO of key tile n_block, summed over the query tiles of the
+// walked heads: written once, in Element; or, where head splits share the GQA group out
+// (BackwardParams::head_splits), as this split's fp32 partial sums into its slot of the dK and dV
+// accumulators, which reduce_dk_dv() adds up in slot order and scales.
 template <typename Element, typename Acc, typename TensorC>
-__device__ __forceinline__ void store_dk_dv(const BackwardParams& p, int b, int kv_h, int n_begin, const Acc& acc_dk,
-                                            const Acc& acc_dv, const TensorC& coords) {
+__device__ __forceinline__ void store_dk_dv(const BackwardParams& p, int b, const WalkHeads& heads, int n_begin,
+                                            const Acc& acc_dk, const Acc& acc_dv, const TensorC& coords) {
   const ForwardParams& f = p.fwd;
+  if (p.head_splits > 1) {
+    const std::int64_t rows =
+        ((std::int64_t(heads.split) * f.batch + b) * f.kv_heads + heads.kv_head) * f.seqlen_k + n_begin;
+    store_rows(acc_dk, coords, p.dk_accum + rows * f.head_dim, f.head_dim, f.seqlen_k - n_begin, f.head_dim, 1.f);
+    store_rows(acc_dv, coords, p.dv_accum + rows * f.head_dim, f.head_dim, f.seqlen_k - n_begin, f.head_dim, 1.f);
+    return;
+  }
   auto kv_rows = [&](void* base, std::int64_t batch_stride, std::int64_t head_stride, std::int64_t row_stride) {
-    return static_cast<Element*>(base) + b * batch_stride + kv_h * head_stride + n_begin * row_stride;
+    return static_cast<Element*>(base) + b * batch_stride + heads.kv_head * head_stride + n_begin * row_stride;
   };
   store_rows(acc_dk, coords, kv_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride), p.dk_row_stride,
              f.seqlen_k - n_begin, f.head_dim, f.scale);

@@ -18,9 +18,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   extern __shared__ __align__(128) char smem[];
   static_assert(kSequences == Sequences::batched || Traits::kSmemBytes + sizeof(BackwardParams) <= 163 * 1024,
                 "a packed call's params (for_sequence_key_tile) and the tiles exceed an A100 CTA's shared memory");
-  for_each_key_tile<Traits::kBlockN>(params, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
+  for_each_key_tile<Traits::kBlockN>(params, [&](int n_block, const WalkHeads& heads, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
     auto key_tile = [&](const BackwardParams& p) CUTLASS_LAMBDA_FUNC_INLINE {
-      backward_key_tile<Traits>(p, smem, n_block, kv_head, batch, split);
+      backward_key_tile<Traits>(p, smem, n_block, heads, batch, split);
     };
     for_sequence_key_tile<kSequences, Traits::kBlockN>(params, batch, n_block, key_tile);
   });

@@ -1,6 +1,6 @@
 // The sm80 backward for one (key tile, KV head, batch): dK and dV of the tile stay in registers
-// while the CTA walks, for each query head of the GQA group, the query tiles that see a key of
-// the tile. The loop body is the algorithm:
+// while the CTA walks, for each query head of the GQA group (or of its head split's share of
+// it: WalkHeads), the query tiles that see a key of the tile. The loop body is the algorithm:
 //   dP = dO·Vᵀ,  S = Q·Kᵀ  ->  z = softcap(scale·S) + bias, -inf where hidden  ->  P = exp(z - LSE)
 //   dZ = P∘(dP - Δ) (-> dBias),  dS = dZ·(1 - tanh²)  ->  dV += Pᵀ·dO,  dQ += dS·K,  dK += dSᵀ·Q
 // with P and dS passed through shared memory in the input dtype, and the next query tile's Q and
@@ -26,8 +26,8 @@
 namespace flash_dmattn::kernels::sm80 {
 
 template <typename Traits>
-__device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block, int kv_h, int b,
-                                                  int split) {
+__device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char* smem, int n_block,
+                                                  const WalkHeads& heads, int b, int split) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -35,7 +35,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
   constexpr int kStages = Traits::kStages;
   const ForwardParams& f = p.fwd;
   const int tid = threadIdx.x;
-  const int n_begin = n_block * kBlockN;
+  const int n_begin = n_block * kBlockN, kv_h = heads.kv_head;
 
   // Shared memory: Q and dO (kStages each), K, V, P, dS, the dbias reduction buffer, dQ staging.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -87,7 +87,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
     load_q_do(h, m_block, stage);
     cp_async_fence();
   };
-  for_each_query_tile<kBlockM, kBlockN>(p, b, kv_h, n_block, dbias, tScS_rc, reduce, load_first,
+  for_each_query_tile<kBlockM, kBlockN>(p, b, heads, n_block, dbias, tScS_rc, reduce, load_first,
                                         [&](int h, int m_block, int next, bool elementwise) CUTLASS_LAMBDA_FUNC_INLINE {
     const int row0 = m_block * kBlockM;
     BackwardRowStats<kRows> stats;
@@ -149,7 +149,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, char*
     staged_dq.issue();
     staged_dq.drain();
   }
-  store_dk_dv<Element>(p, b, kv_h, n_begin, acc_dk, acc_dv, tdKVcdKV);
+  store_dk_dv<Element>(p, b, heads, n_begin, acc_dk, acc_dv, tdKVcdKV);
 }
 
 }  // namespace flash_dmattn::kernels::sm80

@@ -28,9 +28,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 "a packed call's params (for_sequence_key_tile) and the tiles exceed a CTA's shared memory");
   QdOStages<Traits> q_do_stages(params, BackwardSmem<Traits>(smem).q_do_loaded);
   q_do_stages.init();  // the first key tile's barrier makes it visible before any load
-  for_each_key_tile<Traits::kBlockN>(params.p, [&](int n_block, int kv_head, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
+  for_each_key_tile<Traits::kBlockN>(params.p, [&](int n_block, const WalkHeads& heads, int batch, int split) CUTLASS_LAMBDA_FUNC_INLINE {
     auto key_tile = [&](const BackwardParams& p) CUTLASS_LAMBDA_FUNC_INLINE {
-      backward_key_tile<Traits>(p, q_do_stages, smem, n_block, kv_head, batch, split);
+      backward_key_tile<Traits>(p, q_do_stages, smem, n_block, heads, batch, split);
     };
     for_sequence_key_tile<kSequences, Traits::kBlockN>(params.p, batch, n_block, key_tile);
   });

@@ -1,7 +1,7 @@
 // The sm90a backward for one (key tile, KV head, batch): the sm80 algorithm with wgmma. dK and dV
 // of the key tile stay in the registers of two warpgroups (split by key or by head-dim column,
-// tile_size.h) while the CTA walks, for each query head of the GQA group, the query tiles that
-// see one of its keys:
+// tile_size.h) while the CTA walks, for each query head of the GQA group (or of its head split's
+// share of it: WalkHeads), the query tiles that see one of its keys:
 //   S = Q·Kᵀ, dP = dO·Vᵀ  ->  P = exp(z - LSE), dZ = P∘(dP - Δ) (-> dBias), dS = dZ·(1 - tanh²)
 //   ->  dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ = dS·K (reduced into the workspace, unless the dQ kernel
 //       computes it: DqBy in tile_size.h)
@@ -56,13 +56,13 @@ __device__ __forceinline__ char* opaque(char* base) {
 
 template <typename Traits>
 __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOStages<Traits>& q_do_stages, char* smem,
-                                                  int n_block, int kv_h, int b, int split) {
+                                                  int n_block, const WalkHeads& heads, int b, int split) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const ForwardParams& f = p.fwd;
   const int tid = threadIdx.x;
-  const int n_begin = n_block * kBlockN;
+  const int n_begin = n_block * kBlockN, kv_h = heads.kv_head;
 
   const BackwardSmem<Traits> buffers(smem);
   float* reduce = buffers.reduce;
@@ -144,7 +144,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
   // A query head's first tile loads into the stage its predecessor did not read last.
   int stage = 0;
   auto load_first = [&](int h, int m_block) CUTLASS_LAMBDA_FUNC_INLINE { load_q_do(h, m_block, stage); };
-  for_each_query_tile<kBlockM, kBlockN>(p, b, kv_h, n_block, dbias, tScS_rc, reduce, load_first,
+  for_each_query_tile<kBlockM, kBlockN>(p, b, heads, n_block, dbias, tScS_rc, reduce, load_first,
                                         [&](int h, int m_block, int next, bool elementwise) CUTLASS_LAMBDA_FUNC_INLINE {
     const int row0 = m_block * kBlockM;
     // What the tile reads besides Q, dO, K and V (bias values, mask bits, LSE and Δ), issued
@@ -217,7 +217,7 @@ __device__ __forceinline__ void backward_key_tile(const BackwardParams& p, QdOSt
   });
 
   cp_async_wait<0>();
-  store_dk_dv<Element>(p, b, kv_h, n_begin, acc_dk, acc_dv, tdKVcdKV);
+  store_dk_dv<Element>(p, b, heads, n_begin, acc_dk, acc_dv, tdKVcdKV);
 }
 
 }  // namespace flash_dmattn::kernels::sm90
