@@ -110,9 +110,9 @@ Status check_prepared(const char* call, const Args& args, const Problem& problem
   }
   std::size_t required = 0;
   if constexpr (std::is_same_v<Args, BackwardArgs>) {
-    required = backend.prepared_mask_size(forward_view(args), problem, prepared);
+    required = backend.prepared_mask_size(forward_view(args), problem, prepared, MaskPreparation::full);
   } else {
-    required = backend.prepared_mask_size(args, problem, prepared);
+    required = backend.prepared_mask_size(args, problem, prepared, MaskPreparation::full);
   }
   return check_memory(prefix + "memory: ", prepared->memory, required);
 }
@@ -177,8 +177,8 @@ namespace {
 
 // A preparation is of a masked forward's arguments (one handed in with them is ignored): *plain
 // gets them without it, validated, with their problem and backend; *required the bytes.
-Status prepare_masked(const char* call, const ForwardArgs& args, ForwardArgs* plain, Problem* problem,
-                      const BackendImpl** backend, std::size_t* required) {
+Status prepare_masked(const char* call, const ForwardArgs& args, MaskPreparation what, ForwardArgs* plain,
+                      Problem* problem, const BackendImpl** backend, std::size_t* required) {
   *plain = args;
   plain->prepared_mask = nullptr;
   Status status = prepare(call, *plain, validate_forward, kForward, problem, backend);
@@ -187,20 +187,20 @@ Status prepare_masked(const char* call, const ForwardArgs& args, ForwardArgs* pl
     return Status::error(StatusCode::invalid_argument, std::string("flash_dmattn.") + call +
                                                            ": argument 'mask': expected a mask to prepare, got none");
   }
-  *required = (*backend)->prepared_mask_size(*plain, *problem, nullptr);
+  *required = (*backend)->prepared_mask_size(*plain, *problem, nullptr, what);
   return Status::success();
 }
 
 }  // namespace
 
-Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes) {
+Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes, MaskPreparation what) {
   ForwardArgs plain;
   Problem problem;
   const BackendImpl* backend = nullptr;
-  return prepare_masked("prepared_mask_size", args, &plain, &problem, &backend, bytes);
+  return prepare_masked("prepared_mask_size", args, what, &plain, &problem, &backend, bytes);
 }
 
-Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared) {
+Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared, MaskPreparation what) {
   if (prepared == nullptr) {
     return Status::error(StatusCode::invalid_argument,
                          "flash_dmattn.prepare_mask: argument 'prepared': expected a PreparedMask, got a null pointer");
@@ -209,12 +209,12 @@ Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared) {
   Problem problem;
   const BackendImpl* backend = nullptr;
   std::size_t required = 0;
-  Status status = prepare_masked("prepare_mask", args, &plain, &problem, &backend, &required);
+  Status status = prepare_masked("prepare_mask", args, what, &plain, &problem, &backend, &required);
   if (!status.ok()) return status;
   status = check_memory("flash_dmattn.prepare_mask: argument 'prepared': memory: ", prepared->memory, required);
   if (!status.ok()) return status;
   prepared->fingerprint = 0;  // a preparation that fails part way is one that was never made
-  status = backend->prepare_mask(plain, problem, prepared);
+  status = backend->prepare_mask(plain, problem, prepared, what);
   if (status.ok()) prepared->fingerprint = mask_fingerprint(*plain.mask, problem);
   return status;
 }

@@ -32,14 +32,14 @@ class BackendImpl {
   virtual std::size_t backward_workspace_size(const BackwardArgs& args, const Problem& problem) const = 0;
   // The mask preparation (attention.h PreparedMask): what the backend's masked calls would build
   // per call. None by default. prepared: the preparation a call reads (its size follows what it
-  // holds), or nullptr for the one prepare_mask() would build now.
+  // holds), or nullptr for the one prepare_mask() would build now, of `what`.
   virtual std::size_t prepared_mask_size(const ForwardArgs& /*args*/, const Problem& /*problem*/,
-                                         const PreparedMask* /*prepared*/) const {
+                                         const PreparedMask* /*prepared*/, MaskPreparation /*what*/) const {
     return 0;
   }
   // Builds it into prepared->memory (of at least the reported size) and sets prepared's gather flags.
-  virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/,
-                              PreparedMask* prepared) const {
+  virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/, PreparedMask* prepared,
+                              MaskPreparation /*what*/) const {
     prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = false;
     prepared->sm90a_forward_lists = false;
     return Status::success();

@@ -165,16 +165,28 @@ Status query_backward(const BackwardArgs& args, Capability* capability);
 Status forward_workspace_size(const ForwardArgs& args, std::size_t* bytes);
 Status backward_workspace_size(const BackwardArgs& args, std::size_t* bytes);
 
+// What prepare_mask() builds.
+enum class MaskPreparation {
+  // Everything the calls can use: the CUDA tile summary and, where the gather path may run, the
+  // key lists and the choice of path for each pass (which may wait for the stream, below).
+  full,
+  // The tile summary alone: no lists and no wait, and every call given it takes the tile path,
+  // as an unprepared call does. What the torch front builds in a forward that autograd will
+  // differentiate, so that its backward does not summarize the mask again.
+  tile_summary,
+};
+
 // Bytes of PreparedMask::memory that prepare_mask() needs for these arguments (0 where the
 // backend builds nothing, as on the CPU). args: a masked forward's, validated as such.
-Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes);
+Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes, MaskPreparation what = MaskPreparation::full);
 // Prepares args.mask for the calls of these arguments (and their backward) into
 // prepared->memory and sets its fingerprint and paths; asynchronous on args.options.stream,
 // except that on CUDA under FLASH_DMATTN_SPARSE_PATH=auto (the default) a mask with a row per
 // query and a key per column has its key lists built and their sizes read back (one wait for
 // the stream) to choose between the gather and the tile path, for each pass; on a stream being
 // captured into a CUDA graph it chooses the tile path without waiting. Writes neither out nor lse.
-Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared);
+// `what` as given to prepared_mask_size().
+Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared, MaskPreparation what = MaskPreparation::full);
 
 // Runs the forward: writes out and lse. Asynchronous on the stream for CUDA tensors.
 Status forward(const ForwardArgs& args);

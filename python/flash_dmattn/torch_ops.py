@@ -120,10 +120,12 @@ def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            causal: bool) -> Tuple[torch.Tensor, int, int]:
+            causal: bool, summary_only: bool = False) -> Tuple[torch.Tensor, int, int]:
     """(storage, fingerprint, paths): mask prepared for the calls of these q, k, v and causal flag
     (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
-    allocator (empty where the backend builds nothing, as on the CPU)."""
+    allocator (empty where the backend builds nothing, as on the CPU). summary_only: the tile
+    summary alone, which keeps every call on the tile path and never waits for the GPU
+    (MaskPreparation::tile_summary)."""
     batch, seqlen_q, heads, _ = q.shape
     # Only shapes, dtypes and devices are read: q, k and v as views of one padded row each (no
     # copy), out and lse as the forward's (validated, never written; from the caching allocator).
@@ -131,9 +133,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     args = _forward_args(q, k, v, out, lse, mask, None, None, causal, 0.0)
-    storage = torch.empty(_C.prepared_mask_size(args), dtype=torch.uint8, device=q.device)
+    storage = torch.empty(_C.prepared_mask_size(args, summary_only), dtype=torch.uint8, device=q.device)
     prepared = _C.PreparedMask(storage.data_ptr(), storage.numel())
-    _C.prepare_mask(args, prepared)
+    _C.prepare_mask(args, prepared, summary_only)
     fingerprint = prepared.fingerprint
     return storage, fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint, prepared.paths
 
@@ -282,26 +284,44 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     """(out, lse) with autograd: the forward op, or in plain eager calls the same without its dispatch,
     and without autograd's bookkeeping where no gradient can be asked for (inference, decode).
 
-    prepared: (storage, fingerprint, paths) of prepare() for this call's mask, or None. On the
-    gather path (FLASH_DMATTN_SPARSE_PATH=gather), an eager call on CUDA that will need a backward
-    prepares a mask with a row per query itself, so that the forward's summary and key lists serve
-    the backward too: rebuilding the lists is half of a sparse backward. The preparation stays
-    until the backward runs (an eighth of the bool mask's bytes for the summary, about a fifth
-    more for the lists), once per call: layers that share a mask share one with prepare_mask
-    (the transformers integration does). The tile path rebuilds its summary in the backward
-    instead of holding it, unless given a preparation. A mask shared by all queries has a summary
-    too small to be worth the extra host work."""
+    prepared: (storage, fingerprint, paths) of prepare() for this call's mask, or None. An eager
+    call on CUDA that will need a backward prepares a mask with a row per query itself, so that
+    the forward's summary serves the backward too, which then does not read the mask again: the
+    tile summary alone (no key lists, no wait for the GPU, the tile path as without it), or on the
+    gather path (FLASH_DMATTN_SPARSE_PATH=gather) the summary and key lists, whose rebuilding is
+    half of a sparse backward. The preparation stays until the backward runs (an eighth of the
+    bool mask's bytes for the summary, about a fifth more for the lists), once per call: layers
+    that share a mask share one with prepare_mask (the transformers integration does). Masks of
+    under _HELD_SUMMARY_MASK_BYTES (and those shared by all queries) are summarized again in the
+    backward: their summary pass is about a launch."""
     prepared = (None, 0, 0) if prepared is None else prepared
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared, indices)
     if not _plain_eager((q, k, v, mask, bias, prepared[0], indices)):
         return forward(*inputs)
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                      (bias is not None and bias.requires_grad))) or _forward_ad_active():
-        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda and \
-                os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather":
-            inputs = (*inputs[:9], *prepare(q, k, v, mask, causal), indices)
+        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda:
+            gather = os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"
+            if gather or _mask_bytes(mask) >= _HELD_SUMMARY_MASK_BYTES:
+                inputs = (*inputs[:9], *prepare(q, k, v, mask, causal, summary_only=not gather), indices)
         return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
+
+
+# The mask bytes (4 MiB) from which a training forward holds its tile summary for the backward.
+# Below them the backward's summary pass lasts a few microseconds (about 3 TB/s on an H200, plus
+# a launch), and holding it would add host work (a tensor allocated, two calls into the module)
+# to calls whose host time may be what bounds them; that trade was not measured.
+_HELD_SUMMARY_MASK_BYTES = 1 << 22
+
+
+def _mask_bytes(mask: torch.Tensor) -> int:
+    """Bytes the summary pass reads: the mask's elements, its broadcast (zero-stride) dims once."""
+    count = 1
+    for size, stride in zip(mask.shape, mask.stride()):
+        if stride != 0:
+            count *= size
+    return count * mask.element_size()
 
 
 def _forward_ad_active() -> bool:

@@ -848,15 +848,19 @@ class CudaSm80Backend final : public BackendImpl {
     return plan_backward(a, p, arch_of(p.device.index)).workspace_bytes();
   }
 
-  std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared) const override {
+  std::size_t prepared_mask_size(const ForwardArgs& a, const Problem& p, const PreparedMask* prepared,
+                                 MaskPreparation what) const override {
     if (!a.mask) return 0;
     if (prepared) return prepared_layout(*a.mask, p, *prepared).bytes();
-    return prepared_layout(*a.mask, p, lists_room(a, p), sm90a_lists_room(a, p)).bytes();
+    const bool full = what == MaskPreparation::full;
+    return prepared_layout(*a.mask, p, full && lists_room(a, p), full && sm90a_lists_room(a, p)).bytes();
   }
 
-  Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared) const override {
-    prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = lists_room(a, p);
-    prepared->sm90a_forward_lists = sm90a_lists_room(a, p);  // implies lists_room, so lists()
+  Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared,
+                      MaskPreparation what) const override {
+    const bool full = what == MaskPreparation::full;
+    prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = full && lists_room(a, p);
+    prepared->sm90a_forward_lists = full && sm90a_lists_room(a, p);  // implies lists_room, so lists()
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH and
     // FLASH_DMATTN_KERNELS, which may have changed since.

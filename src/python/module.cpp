@@ -449,20 +449,28 @@ NB_MODULE(_C, m) {
       },
       nb::arg("args"), Release(), "Bytes of scratch memory backward() needs for these arguments");
 
+  // summary_only: MaskPreparation::tile_summary, else full.
+  auto preparation = [](bool summary_only) {
+    return summary_only ? fd::MaskPreparation::tile_summary : fd::MaskPreparation::full;
+  };
   m.def(
       "prepared_mask_size",
-      [](const fd::ForwardArgs& args) {
+      [preparation](const fd::ForwardArgs& args, bool summary_only) {
         std::size_t bytes = 0;
-        fd::throw_if_error(fd::prepared_mask_size(args, &bytes));
+        fd::throw_if_error(fd::prepared_mask_size(args, &bytes, preparation(summary_only)));
         return bytes;
       },
-      nb::arg("args"), Release(), "Bytes of memory prepare_mask() needs for these (masked forward) arguments");
+      nb::arg("args"), nb::arg("summary_only") = false, Release(),
+      "Bytes of memory prepare_mask() needs for these (masked forward) arguments");
   m.def(
       "prepare_mask",
-      [](const fd::ForwardArgs& args, fd::PreparedMask& prepared) { fd::throw_if_error(fd::prepare_mask(args, &prepared)); },
-      nb::arg("args"), nb::arg("prepared"), Release(),
+      [preparation](const fd::ForwardArgs& args, fd::PreparedMask& prepared, bool summary_only) {
+        fd::throw_if_error(fd::prepare_mask(args, &prepared, preparation(summary_only)));
+      },
+      nb::arg("args"), nb::arg("prepared"), nb::arg("summary_only") = false, Release(),
       "Builds args.mask's preparation into prepared's memory and sets its fingerprint and paths; asynchronous on "
-      "the stream for CUDA tensors (attention.h prepare_mask)");
+      "the stream for CUDA tensors (attention.h prepare_mask); summary_only: the tile summary alone (no lists, no "
+      "wait: MaskPreparation::tile_summary)");
 
   m.def(
       "forward",

@@ -196,10 +196,17 @@ TEST(Api, PreparedMaskIsCheckedAgainstEveryCallThatReadsIt) {
   std::size_t bytes = 1;
   ASSERT_TRUE(prepared_mask_size(p.forward_args(), &bytes).ok());
   EXPECT_EQ(bytes, 0u);  // the CPU reference reads the mask itself
+  bytes = 1;
+  ASSERT_TRUE(prepared_mask_size(p.forward_args(), &bytes, MaskPreparation::tile_summary).ok());
+  EXPECT_EQ(bytes, 0u);
+  PreparedMask summary_only;
+  ASSERT_TRUE(prepare_mask(p.forward_args(), &summary_only, MaskPreparation::tile_summary).ok());
+  EXPECT_FALSE(summary_only.lists());
   PreparedMask prepared;
   Status status = prepare_mask(p.forward_args(), &prepared);
   ASSERT_TRUE(status.ok()) << status.message();
   EXPECT_NE(prepared.fingerprint, 0u);
+  EXPECT_EQ(summary_only.fingerprint, prepared.fingerprint);  // of the same call either way
 
   ForwardArgs f = p.forward_args();
   f.prepared_mask = &prepared;

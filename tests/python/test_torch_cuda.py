@@ -255,6 +255,39 @@ def test_prepared_mask_holds_the_lists_of_the_forward_that_reads_them(monkeypatc
     assert (prepared._prepared[2] & 4 != 0) == (prepared.nbytes > prepared_sm80.nbytes)
 
 
+def test_training_forward_holds_its_tile_summary_for_the_backward(monkeypatch):
+    """An eager CUDA forward that autograd will differentiate prepares a mask with a row per query
+    of at least _HELD_SUMMARY_MASK_BYTES itself, the tile summary alone (no lists, no wait), and
+    its backward reads that summary instead of the mask: outputs and gradients are bitwise those
+    of calls that summarize the mask in each pass, and match the reference."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    case = make_case(2, 300, 290, 4, 2, 32, device="cuda", mask_shape=(2, 2, 300, 290), bias_shape=(2, 2, 1, 290),
+                     keep=0.5)
+    dout = torch.randn_like(case["q"])
+    held = []
+    prepare = torch_ops.prepare
+
+    def recording(*args, **kwargs):
+        held.append(kwargs.get("summary_only"))
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(torch_ops, "prepare", recording)
+    monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 1 << 40)
+    out, lse, grads = run_flash(case, dout, is_causal=True, deterministic=True)
+    assert held == []
+    monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 0)
+    held_out, held_lse, held_grads = run_flash(case, dout, is_causal=True, deterministic=True)
+    assert held == [True]
+    assert torch.equal(held_out, out) and torch.equal(held_lse, lse)
+    for name, grad in grads.items():
+        assert torch.equal(held_grads[name], grad), name
+    check_against_reference(case, dout, is_causal=True)  # (the default mode, holding its summary)
+    assert held == [True, True]
+    with torch.no_grad():  # no backward to come: nothing held
+        flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], is_causal=True)
+    assert held == [True, True]
+
+
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
     the key lists hold at most a measured share of the causal span (src/cuda/sparse_path.h: 0.5 for
