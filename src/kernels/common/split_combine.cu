@@ -39,6 +39,21 @@ struct RowMerge {
       acc[v].w = acc[v].w * keep + weight * x[v].w;
     }
   }
+
+  // Adds split s of row `row` (of `rows`): its LSE and the column vectors lane, lane + stride, ...
+  // of its partial row. head_dim is a multiple of 8, and every partial row starts 16-byte aligned.
+  __device__ __forceinline__ void add_split(const ForwardParams& p, int s, std::int64_t rows, std::int64_t row, int lane,
+                                            int stride) {
+    const float lse = p.partial_lse[s * rows + row];
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (s * rows + row) * p.head_dim);
+    const int vectors = p.head_dim / 4;
+    float4 x[kVectors];
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) {
+      x[v] = lane + stride * v < vectors ? partial[lane + stride * v] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    add(lse, x);
+  }
 };
 
 // One CTA per (batch, head, query row). Warp w takes splits w, w + kWarps, ...: it loads their
@@ -64,19 +79,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
   const int b = static_cast<int>(row / (std::int64_t(p.seqlen_q) * p.heads));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, vectors = p.head_dim / 4;
 
-  // head_dim is a multiple of 8, and every partial row starts 16-byte aligned.
   RowMerge<kLaneVectors> merge;
 #pragma unroll 4
-  for (int s = warp; s < p.num_splits; s += kWarps) {
-    const float lse = p.partial_lse[s * rows + row];
-    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (s * rows + row) * p.head_dim);
-    float4 x[kLaneVectors];
-#pragma unroll
-    for (int v = 0; v < kLaneVectors; ++v) {
-      x[v] = lane + 32 * v < vectors ? partial[lane + 32 * v] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    merge.add(lse, x);
-  }
+  for (int s = warp; s < p.num_splits; s += kWarps) merge.add_split(p, s, rows, row, lane, 32);
   if (lane == 0) {
     warp_max[warp] = merge.max_lse;
     warp_sum[warp] = merge.sum;
@@ -131,16 +136,7 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
 
   RowMerge<kLaneVectors> merge;
 #pragma unroll 2
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float lse = p.partial_lse[s * rows + row];
-    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (s * rows + row) * p.head_dim);
-    float4 x[kLaneVectors];
-#pragma unroll
-    for (int v = 0; v < kLaneVectors; ++v) {
-      x[v] = lane + lanes * v < vectors ? partial[lane + lanes * v] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    merge.add(lse, x);
-  }
+  for (int s = 0; s < p.num_splits; ++s) merge.add_split(p, s, rows, row, lane, lanes);
   // Every split empty: the row has no visible key (O = 0, LSE = +inf).
   const bool empty = merge.max_lse == -INFINITY;
   const float inv = empty ? 0.f : 1.f / merge.sum;
