@@ -300,7 +300,7 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
         return forward(*inputs)
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                      (bias is not None and bias.requires_grad))) or _forward_ad_active():
-        if mask is not None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda:
+        if mask is not None and indices is None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda:
             gather = os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"
             if gather or _mask_bytes(mask) >= _HELD_SUMMARY_MASK_BYTES:
                 inputs = (*inputs[:9], *prepare(q, k, v, mask, causal, summary_only=not gather), indices)
