@@ -1,6 +1,7 @@
 // The public entry points: validate, pick a backend, check the workspace, run.
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "backend.h"
@@ -92,10 +93,11 @@ Status check_memory(const std::string& prefix, const Workspace& memory, std::siz
 
 // A call's prepared mask, if any, against the call.
 template <typename Args>
-Status check_prepared(const char* call, const Args& args, const Problem& problem, const BackendImpl& backend) {
+Status check_prepared(const char* call, const Args& args, const Problem& problem, const BackendImpl& backend,
+                      const char* argument = "prepared_mask") {
   const PreparedMask* prepared = args.prepared_mask;
   if (!prepared) return Status::success();
-  const std::string prefix = std::string("flash_dmattn.") + call + ": argument 'prepared_mask': ";
+  const std::string prefix = std::string("flash_dmattn.") + call + ": argument '" + argument + "': ";
   if (!args.mask) {
     return Status::error(StatusCode::invalid_argument,
                          prefix + "expected the call's mask (argument 'mask') beside it, got no mask");
@@ -217,6 +219,55 @@ Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared, MaskPrepara
   status = backend->prepare_mask(plain, problem, prepared, what);
   if (status.ok()) prepared->fingerprint = mask_fingerprint(*plain.mask, problem);
   return status;
+}
+
+namespace {
+
+// A deferred preparation's arguments, validated, with its backend, checked against the
+// preparation as a call given it would be.
+Status deferred_preparation(const char* call, const ForwardArgs& args, const PreparedMask& prepared,
+                            ForwardArgs* plain, Problem* problem, const BackendImpl** backend) {
+  std::size_t required = 0;
+  Status status = prepare_masked(call, args, MaskPreparation::deferred_choice, plain, problem, backend, &required);
+  if (!status.ok()) return status;
+  plain->prepared_mask = &prepared;
+  status = check_prepared(call, *plain, *problem, **backend, "prepared");
+  plain->prepared_mask = nullptr;
+  return status;
+}
+
+}  // namespace
+
+Status prepared_list_sizes(const ForwardArgs& args, const PreparedMask& prepared, std::size_t* offset,
+                           std::size_t* bytes) {
+  ForwardArgs plain;
+  Problem problem;
+  const BackendImpl* backend = nullptr;
+  Status status = deferred_preparation("prepared_list_sizes", args, prepared, &plain, &problem, &backend);
+  if (!status.ok()) return status;
+  std::tie(*offset, *bytes) = backend->prepared_list_sizes(plain, problem, prepared);
+  return Status::success();
+}
+
+Status choose_mask_paths(const ForwardArgs& args, PreparedMask* prepared, const void* sizes, std::size_t bytes) {
+  if (prepared == nullptr) {
+    return Status::error(StatusCode::invalid_argument,
+                         "flash_dmattn.choose_mask_paths: argument 'prepared': expected a PreparedMask, got a null "
+                         "pointer");
+  }
+  ForwardArgs plain;
+  Problem problem;
+  const BackendImpl* backend = nullptr;
+  Status status = deferred_preparation("choose_mask_paths", args, *prepared, &plain, &problem, &backend);
+  if (!status.ok()) return status;
+  const std::size_t expected = backend->prepared_list_sizes(plain, problem, *prepared).second;
+  if (bytes != expected || (expected > 0 && sizes == nullptr)) {
+    return Status::error(StatusCode::invalid_argument,
+                         "flash_dmattn.choose_mask_paths: argument 'sizes': expected the " + std::to_string(expected) +
+                             " bytes prepared_list_sizes() reports, got " + std::to_string(bytes) +
+                             (sizes == nullptr ? " at a null pointer" : ""));
+  }
+  return backend->choose_mask_paths(plain, problem, prepared, sizes);
 }
 
 Status forward(const ForwardArgs& args) {

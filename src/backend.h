@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flash_dmattn/attention.h"
@@ -41,7 +42,19 @@ class BackendImpl {
   virtual Status prepare_mask(const ForwardArgs& /*args*/, const Problem& /*problem*/, PreparedMask* prepared,
                               MaskPreparation /*what*/) const {
     prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = false;
-    prepared->sm90a_forward_lists = false;
+    prepared->sm90a_forward_lists = prepared->choice_pending = false;
+    return Status::success();
+  }
+  // MaskPreparation::deferred_choice's lists' sizes in prepared.memory: {offset, bytes}, {0, 0}
+  // where it holds none.
+  virtual std::pair<std::size_t, std::size_t> prepared_list_sizes(const ForwardArgs& /*args*/,
+                                                                  const Problem& /*problem*/,
+                                                                  const PreparedMask& /*prepared*/) const {
+    return {0, 0};
+  }
+  // Sets a deferred preparation's paths from a host copy of those bytes (as many as reported).
+  virtual Status choose_mask_paths(const ForwardArgs& /*args*/, const Problem& /*problem*/,
+                                   PreparedMask* /*prepared*/, const void* /*sizes*/) const {
     return Status::success();
   }
   // Both run on validated arguments with a workspace of at least the reported size.

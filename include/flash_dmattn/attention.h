@@ -95,8 +95,11 @@ struct PreparedMask {
   // Whether it also holds the forward's key lists for the sm90a gather kernel, whose tiles differ
   // from those of the lists the backward reads (set by prepare_mask).
   bool sm90a_forward_lists = false;
+  // Whether it holds key lists whose paths are not chosen yet (MaskPreparation::deferred_choice,
+  // until choose_mask_paths()): its calls take the tile path meanwhile.
+  bool choice_pending = false;
 
-  bool lists() const { return gather_forward || gather_backward || gather_backward_unpaired; }
+  bool lists() const { return choice_pending || gather_forward || gather_backward || gather_backward_unpaired; }
 };
 
 // The offsets of packed sequences: sequence b holds query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
@@ -174,6 +177,18 @@ enum class MaskPreparation {
   // as an unprepared call does. What the torch front builds in a forward that autograd will
   // differentiate, so that its backward does not summarize the mask again.
   tile_summary,
+  // The tile summary and, where the gather path may run, the key lists, without waiting: the
+  // lists' sizes stay on the device (prepared_list_sizes() says where), and every call given the
+  // preparation takes the tile path until choose_mask_paths() has read a host copy of them and
+  // chosen as `full` would have. Lists that the summary shows cannot pay (a dense mask's, a
+  // window's) are skipped on the device, and their choice is the tile path. What the torch front
+  // builds in a forward that autograd will differentiate: the copy is queued behind the
+  // preparation and has usually landed by the time the backward runs, which then chooses its
+  // path without a wait.
+  deferred_choice,
+  // The same with every list built, for a caller that may set a gather path itself (its flags in
+  // PreparedMask) before the choice has been made.
+  deferred_choice_with_lists,
 };
 
 // Bytes of PreparedMask::memory that prepare_mask() needs for these arguments (0 where the
@@ -187,6 +202,18 @@ Status prepared_mask_size(const ForwardArgs& args, std::size_t* bytes, MaskPrepa
 // captured into a CUDA graph it chooses the tile path without waiting. Writes neither out nor lse.
 // `what` as given to prepared_mask_size().
 Status prepare_mask(const ForwardArgs& args, PreparedMask* prepared, MaskPreparation what = MaskPreparation::full);
+// Where a preparation of these arguments with MaskPreparation::deferred_choice (or
+// deferred_choice_with_lists) keeps its key lists' sizes and their estimate: *bytes bytes at
+// *offset in prepared.memory, which the caller copies to the host once the stream has passed the
+// preparation. 0 bytes where no choice is pending (no lists held,
+// as on the CPU, or the paths chosen already): choose_mask_paths() then takes none.
+Status prepared_list_sizes(const ForwardArgs& args, const PreparedMask& prepared, std::size_t* offset,
+                           std::size_t* bytes);
+// Chooses the paths of a preparation made with MaskPreparation::deferred_choice (and clears its
+// choice_pending), as MaskPreparation::full would have chosen them, from `sizes`: a host copy of
+// the prepared_list_sizes() bytes. args as given to prepare_mask(); no GPU work, no wait. Where
+// no choice is pending it leaves the paths as they are.
+Status choose_mask_paths(const ForwardArgs& args, PreparedMask* prepared, const void* sizes, std::size_t bytes);
 
 // Runs the forward: writes out and lse. Asynchronous on the stream for CUDA tensors.
 Status forward(const ForwardArgs& args);

@@ -15,6 +15,8 @@ a dynamic head dim would make them symbolic.
 
 No `from __future__ import annotations` here: torch.library reads the annotations as types.
 """
+import atexit
+import collections
 import os
 from typing import Optional, Tuple
 
@@ -120,12 +122,18 @@ def _shape_of_padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            causal: bool, summary_only: bool = False) -> Tuple[torch.Tensor, int, int]:
+            causal: bool, what: str = "full") -> Tuple[torch.Tensor, int, int]:
     """(storage, fingerprint, paths): mask prepared for the calls of these q, k, v and causal flag
     (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
-    allocator (empty where the backend builds nothing, as on the CPU). summary_only: the tile
-    summary alone, which keeps every call on the tile path and never waits for the GPU
-    (MaskPreparation::tile_summary)."""
+    allocator (empty where the backend builds nothing, as on the CPU). what: the
+    MaskPreparation, "full" (which may wait for the GPU to choose the paths), "tile_summary" (the
+    summary alone: every call on the tile path, no wait) or "deferred_choice" (_PendingChoice)."""
+    storage, prepared, _ = _prepare(q, k, v, mask, causal, what)
+    return storage, _signed(prepared.fingerprint), prepared.paths
+
+
+def _prepare(q, k, v, mask, causal, what):
+    """(storage, the module's PreparedMask, the ForwardArgs it was prepared for)."""
     batch, seqlen_q, heads, _ = q.shape
     # Only shapes, dtypes and devices are read: q, k and v as views of one padded row each (no
     # copy), out and lse as the forward's (validated, never written; from the caching allocator).
@@ -133,11 +141,73 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     args = _forward_args(q, k, v, out, lse, mask, None, None, causal, 0.0)
-    storage = torch.empty(_C.prepared_mask_size(args, summary_only), dtype=torch.uint8, device=q.device)
+    storage = torch.empty(_C.prepared_mask_size(args, what), dtype=torch.uint8, device=q.device)
     prepared = _C.PreparedMask(storage.data_ptr(), storage.numel())
-    _C.prepare_mask(args, prepared, summary_only)
-    fingerprint = prepared.fingerprint
-    return storage, fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint, prepared.paths
+    _C.prepare_mask(args, prepared, what)
+    return storage, prepared, args
+
+
+def _signed(fingerprint: int) -> int:
+    """The fingerprint as the op schemas' signed 64-bit int."""
+    return fingerprint - 2**64 if fingerprint >= 2**63 else fingerprint
+
+
+_CHOICE_PENDING = 16  # the paths bit of PreparedMask::choice_pending
+_BACKWARD_PATHS = 2 | 8  # gather_backward, gather_backward_unpaired
+
+
+class _PendingChoice:
+    """A training forward's preparation whose choice of paths is made later
+    (MaskPreparation::deferred_choice): its key lists' sizes are copied to pinned host memory
+    behind it on the stream, and an event marks their arrival. Its backward chooses from them if
+    they have arrived, and otherwise as the latest call of the same shapes whose sizes did
+    (_CHOSEN), where that chose the gather path and this preparation holds every list
+    (deferred_choice_with_lists, which such calls make); it never waits. Where the host runs
+    ahead of the GPU, as it does in a GPU-bound training step, a backward is queued before its
+    forward has run, and the sizes of the calls of one step arrive in time for the next step's
+    calls (_AWAITED, read at each forward)."""
+
+    __slots__ = ("key", "args", "with_lists", "memory", "fingerprint", "pending_paths", "sizes", "arrived", "chosen")
+
+    def __init__(self, key, storage: torch.Tensor, prepared, args, with_lists: bool):
+        self.key, self.args, self.with_lists = key, args, with_lists
+        # (The choice reads the memory's address and size only: the storage may be gone by then.)
+        self.memory = (storage.data_ptr(), storage.numel())
+        self.fingerprint, self.pending_paths = prepared.fingerprint, prepared.paths
+        offset, size = _C.prepared_list_sizes(args, prepared)
+        self.sizes = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.sizes.copy_(storage[offset:offset + size], non_blocking=True)
+        self.arrived = torch.cuda.Event()
+        self.arrived.record()
+        self.chosen = None
+        while _AWAITED and _AWAITED[0].choose() is not None:
+            _AWAITED.popleft()
+        _AWAITED.append(self)
+
+    def choose(self) -> Optional[int]:
+        """The paths chosen from the sizes, once they have arrived (remembered for the key)."""
+        if self.chosen is None and self.arrived.query():
+            prepared = _C.PreparedMask(*self.memory, self.fingerprint, self.pending_paths)
+            _C.choose_mask_paths(self.args, prepared, self.sizes.data_ptr(), self.sizes.numel())
+            self.chosen = _CHOSEN[self.key] = prepared.paths
+        return self.chosen
+
+    def paths(self, paths: int) -> int:
+        """The backward's paths: chosen from the sizes, else (every list held) the backward
+        choice of the key's latest choice beside the pending one, else pending (the tile path)."""
+        chosen = self.choose()
+        if chosen is not None:
+            return chosen
+        return paths | (_CHOSEN.get(self.key, 0) & _BACKWARD_PATHS) if self.with_lists else paths
+
+
+# The paths last chosen for a key of shapes (torch_ops.attention), and the preparations whose
+# sizes have not been read yet, oldest first (a bounded number: the oldest are dropped unread).
+# Emptied at exit, before the module's objects they hold are torn down (nanobind reports those
+# still alive then as leaks).
+_CHOSEN = {}
+_AWAITED = collections.deque(maxlen=256)
+atexit.register(lambda: _AWAITED.clear())
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -226,13 +296,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _gradients(ctx, dout, run_backward):
+def _gradients(ctx, dout, run_backward, pending=None):
     q, k, v, mask, bias, out, lse, prepared, indices = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad = bias is not None and needs[4]
     fingerprint, paths, mask_address = ctx.prepared
     if mask_address is not None and mask.data_ptr() != mask_address:
         prepared, fingerprint, paths = None, 0, 0
+    elif pending is not None:
+        paths = pending.paths(paths)
     dq, dk, dv, dbias = run_backward(dout, q, k, v, mask, bias, out, lse, *ctx.options, prepared, fingerprint, paths,
                                      bias_grad, indices)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None,
@@ -250,7 +322,9 @@ class _EagerAttention(torch.autograd.Function):
     """The forward op's autograd without the custom-op dispatch (the same implementations)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, *inputs_and_pending):
+        """The forward op's inputs, then the _PendingChoice of the preparation among them, or None."""
+        *inputs, ctx.pending = inputs_and_pending
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
         # lse has no gradient: without this, autograd would allocate and fill a zero one on every
@@ -263,7 +337,7 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # out took no part in the loss (lse is not differentiable)
             return (None,) * len(ctx.needs_input_grad)
-        return _gradients(ctx, dout, _backward_impl)
+        return (*_gradients(ctx, dout, _backward_impl, ctx.pending), None)
 
 
 def _plain_eager(tensors) -> bool:
@@ -286,25 +360,38 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
 
     prepared: (storage, fingerprint, paths) of prepare() for this call's mask, or None. An eager
     call on CUDA that will need a backward prepares a mask with a row per query itself, so that
-    the forward's summary serves the backward too, which then does not read the mask again: the
-    tile summary alone (no key lists, no wait for the GPU, the tile path as without it), or on the
-    gather path (FLASH_DMATTN_SPARSE_PATH=gather) the summary and key lists, whose rebuilding is
-    half of a sparse backward. The preparation stays until the backward runs (an eighth of the
-    bool mask's bytes for the summary, about a fifth more for the lists), once per call: layers
-    that share a mask share one with prepare_mask (the transformers integration does). Masks of
-    under _HELD_SUMMARY_MASK_BYTES (and those shared by all queries) are summarized again in the
-    backward: their summary pass is about a launch."""
+    the forward's summary serves the backward too, which then does not read the mask again. With
+    the summary come the key lists, and the backward takes the gather path where they hold few
+    enough keys (as prepare_mask chooses), from their sizes copied back behind the forward, or
+    where those have not arrived yet, as the latest call of the same shapes chose (_PendingChoice:
+    no wait; the forward itself keeps the tile path).
+    Without lists where no gather backward can follow (deterministic mode, the largest head
+    dims, FLASH_DMATTN_SPARSE_PATH=tile); under FLASH_DMATTN_SPARSE_PATH=gather the summary and
+    lists for both passes. The preparation stays until the backward runs (an eighth of the bool
+    mask's bytes for the summary, about a fifth more for the lists), once per call: layers that
+    share a mask share one with prepare_mask (the transformers integration does). Masks of under
+    _HELD_SUMMARY_MASK_BYTES (and those shared by all queries) are summarized again in the
+    backward, on the tile path: their summary pass is about a launch."""
     prepared = (None, 0, 0) if prepared is None else prepared
     inputs = (q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic, *prepared, indices)
     if not _plain_eager((q, k, v, mask, bias, prepared[0], indices)):
         return forward(*inputs)
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                      (bias is not None and bias.requires_grad))) or _forward_ad_active():
+        pending = None
         if mask is not None and indices is None and mask.size(2) > 1 and prepared[0] is None and q.is_cuda:
             gather = os.environ.get("FLASH_DMATTN_SPARSE_PATH") == "gather"
             if gather or _mask_bytes(mask) >= _HELD_SUMMARY_MASK_BYTES:
-                inputs = (*inputs[:9], *prepare(q, k, v, mask, causal, summary_only=not gather), indices)
-        return _EagerAttention.apply(*inputs)  # (it refuses dual tensors loudly: no jvp)
+                key = (q.shape, k.shape, mask.shape, tuple(n == 0 for n in mask.stride()), mask.dtype, q.dtype,
+                       causal, q.device)
+                with_lists = bool(_CHOSEN.get(key, 0) & _BACKWARD_PATHS)
+                what = ("full" if gather else "tile_summary" if deterministic else
+                        "deferred_choice_with_lists" if with_lists else "deferred_choice")
+                storage, held, held_args = _prepare(q, k, v, mask, causal, what)
+                if held.paths & _CHOICE_PENDING:
+                    pending = _PendingChoice(key, storage, held, held_args, with_lists)
+                inputs = (*inputs[:9], storage, _signed(held.fingerprint), held.paths, indices)
+        return _EagerAttention.apply(*inputs, pending)  # (it refuses dual tensors loudly: no jvp)
     return _forward(*inputs)
 
 

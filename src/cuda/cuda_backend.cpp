@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -276,24 +278,27 @@ bool same_tile(const kernels::KeyListExtent& a, const kernels::KeyListExtent& b)
 }
 
 // A prepared mask's memory: [tile summary][key lists, where it holds them][the sm90a gather
-// forward's key lists, where it holds them].
+// forward's key lists where it holds them, else the lists' estimate where its choice is deferred].
 struct PreparedLayout {
-  std::size_t summary_bytes = 0, lists_bytes = 0, sm90a_lists_bytes = 0;
+  std::size_t summary_bytes = 0, lists_bytes = 0, sm90a_lists_bytes = 0, estimate_bytes = 0;
   std::size_t lists_offset() const { return align_up(summary_bytes); }
   std::size_t sm90a_lists_offset() const { return lists_offset() + align_up(lists_bytes); }
-  std::size_t bytes() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes); }
+  std::size_t estimate_offset() const { return sm90a_lists_offset(); }
+  std::size_t bytes() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes + estimate_bytes); }
 };
 
-PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists, bool sm90a_lists) {
+PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists, bool sm90a_lists,
+                               bool deferred = false) {
   PreparedLayout layout;
   layout.summary_bytes = kernels::tile_summary_bytes(mask_extent(mask, p));
   if (lists) layout.lists_bytes = kernels::key_lists_bytes(forward_list_extent(mask, p));
   if (lists && sm90a_lists) layout.sm90a_lists_bytes = kernels::key_lists_bytes(sm90a_forward_list_extent(mask, p));
+  if (lists && deferred && !sm90a_lists) layout.estimate_bytes = sizeof(kernels::ListEstimate);
   return layout;
 }
 
 PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, const PreparedMask& prepared) {
-  return prepared_layout(mask, p, prepared.lists(), prepared.sm90a_forward_lists);
+  return prepared_layout(mask, p, prepared.lists(), prepared.sm90a_forward_lists, prepared.choice_pending);
 }
 
 // Where a call's lists lie in its prepared mask, if it holds lists of their tile; else nullptr.
@@ -370,6 +375,14 @@ bool sm90a_lists_room(const ForwardArgs& a, const Problem& p) {
   return lists_room(a, p) && gather_forward_fits(p) &&
          gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a &&
          !same_tile(forward_list_extent(*a.mask, p), sm90a_forward_list_extent(*a.mask, p));
+}
+
+// Whether a preparation of MaskPreparation::deferred_choice builds key lists: they serve its
+// calls' backward (the forward it was made in runs on the tile path), so only where the gather
+// backward could run and the choice is not forced either way.
+bool deferred_lists_room(const ForwardArgs& a, const Problem& p) {
+  return lists_room(a, p) && sparse_path() == SparsePath::automatic && p.seqlen_k > 0 &&
+         smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
 }
 
 // Why a call with key indices cannot run, if it cannot: they are read on the gather path only
@@ -594,6 +607,40 @@ bool gather_backward(const BackwardArgs& a, const Problem& p, bool heads_pair) {
 bool sm90a_gather_backward(const Problem& p, int arch) {
   return kernels::sm90::has_gather_backward(element_type(p.dtype), static_cast<int>(p.head_dim)) &&
          choose_family(p, arch, Pass::backward) == KernelFamily::sm90a;
+}
+
+// A preparation's paths from the work its lists describe: the forward's, and both backward
+// choices, since the calls' bias decides whether their heads pair (gather_backward).
+void choose_paths(const ForwardArgs& a, const Problem& p, const ListedWork& work, PreparedMask* prepared) {
+  const int arch = device_info(p.device.index).arch;
+  const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
+  prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
+  const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
+  const GatherBackwardKernel paired = !pairs                            ? GatherBackwardKernel::sm80
+                                      : sm90a_gather_backward(p, arch) ? GatherBackwardKernel::sm90a_paired
+                                                                       : GatherBackwardKernel::sm80_paired;
+  prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, paired));
+  prepared->gather_backward_unpaired = gather_pays(work, gather_backward_share(p.head_dim, GatherBackwardKernel::sm80));
+}
+
+bool deferred_preparation(MaskPreparation what) {
+  return what == MaskPreparation::deferred_choice || what == MaskPreparation::deferred_choice_with_lists;
+}
+
+// The gate of a deferred preparation's list build: the largest share any of choose_paths's choices
+// may take the gather path at, so that the gate skips only lists that no choice would read.
+kernels::ListGate list_gate(const Problem& p) {
+  const int arch = device_info(p.device.index).arch;
+  const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
+  double share = gather_forward_share(p.seqlen_q, p.head_dim, sm90a);
+  for (GatherBackwardKernel kernel : {GatherBackwardKernel::sm80, GatherBackwardKernel::sm80_paired,
+                                      GatherBackwardKernel::sm90a_paired}) {
+    share = std::max(share, gather_backward_share(p.head_dim, kernel));
+  }
+  kernels::ListGate gate;
+  gate.share_permille = static_cast<int>(std::ceil(share * 1000));
+  gate.sparse_permille = static_cast<int>(std::ceil(kSparseTilesShare * 1000));
+  return gate;
 }
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
@@ -852,8 +899,9 @@ class CudaSm80Backend final : public BackendImpl {
                                  MaskPreparation what) const override {
     if (!a.mask) return 0;
     if (prepared) return prepared_layout(*a.mask, p, *prepared).bytes();
-    const bool full = what == MaskPreparation::full;
-    return prepared_layout(*a.mask, p, full && lists_room(a, p), full && sm90a_lists_room(a, p)).bytes();
+    const bool full = what == MaskPreparation::full, deferred = deferred_preparation(what);
+    const bool lists = full ? lists_room(a, p) : deferred && deferred_lists_room(a, p);
+    return prepared_layout(*a.mask, p, lists, full && sm90a_lists_room(a, p), deferred).bytes();
   }
 
   Status prepare_mask(const ForwardArgs& a, const Problem& p, PreparedMask* prepared,
@@ -861,6 +909,7 @@ class CudaSm80Backend final : public BackendImpl {
     const bool full = what == MaskPreparation::full;
     prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = full && lists_room(a, p);
     prepared->sm90a_forward_lists = full && sm90a_lists_room(a, p);  // implies lists_room, so lists()
+    prepared->choice_pending = deferred_preparation(what) && deferred_lists_room(a, p);
     if (!a.mask || p.empty()) return Status::success();
     // The caller sized the memory from its own read of FLASH_DMATTN_SPARSE_PATH and
     // FLASH_DMATTN_KERNELS, which may have changed since.
@@ -882,22 +931,26 @@ class CudaSm80Backend final : public BackendImpl {
     if (!prepared->lists()) return Status::success();
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
     kernels::KeyLists lists;
+    if (prepared->choice_pending) {
+      // The lists' estimate first, and a build that it lets skip (on the device) lists that
+      // cannot pay, unless the caller may read them before the choice.
+      auto* estimate = reinterpret_cast<kernels::ListEstimate*>(memory + layout.estimate_offset());
+      e = kernels::estimate_key_lists(extent, summary, estimate, stream);
+      if (e != cudaSuccess) return cuda_failure("the key-list estimate launch", e);
+      kernels::ListGate gate = list_gate(p);
+      if (what == MaskPreparation::deferred_choice_with_lists) gate.estimate = nullptr;
+      else gate.estimate = estimate;
+      e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists, gate);
+      if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
+      return Status::success();
+    }
     e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists);
     if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
     if (sparse_path() == SparsePath::automatic) {
       ListedWork work;
       e = listed_work(extent, lists, stream, &work);
       if (e != cudaSuccess) return cuda_failure("reading the key-list sizes", e);
-      const int arch = device_info(p.device.index).arch;
-      const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
-      prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
-      // Both backward choices: the calls' bias decides whether their heads pair (gather_backward).
-      const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
-      const GatherBackwardKernel paired = !pairs                            ? GatherBackwardKernel::sm80
-                                          : sm90a_gather_backward(p, arch) ? GatherBackwardKernel::sm90a_paired
-                                                                           : GatherBackwardKernel::sm80_paired;
-      prepared->gather_backward = gather_pays(work, gather_backward_share(p.head_dim, paired));
-      prepared->gather_backward_unpaired = gather_pays(work, gather_backward_share(p.head_dim, GatherBackwardKernel::sm80));
+      choose_paths(a, p, work, prepared);
     }
     // The sm90a gather forward's own lists, once here rather than on every call. A mask whose
     // forwards keep the tile path leaves their room unused.
@@ -908,6 +961,40 @@ class CudaSm80Backend final : public BackendImpl {
       if (e != cudaSuccess) return cuda_failure("the sm90a key-list launch", e);
     } else {
       prepared->sm90a_forward_lists = false;
+    }
+    return Status::success();
+  }
+
+  std::pair<std::size_t, std::size_t> prepared_list_sizes(const ForwardArgs& a, const Problem& p,
+                                                          const PreparedMask& prepared) const override {
+    if (!a.mask || p.empty() || !prepared.choice_pending) return {0, 0};
+    const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
+    const PreparedLayout layout = prepared_layout(*a.mask, p, prepared);
+    const std::size_t begin = layout.lists_offset() + kernels::key_list_counts_offset(extent);
+    return {begin, layout.estimate_offset() + layout.estimate_bytes - begin};
+  }
+
+  // (The sm90a gather forward's lists, of a tile of their own, were not built: a forward taking
+  // that path builds them itself.)
+  Status choose_mask_paths(const ForwardArgs& a, const Problem& p, PreparedMask* prepared,
+                           const void* sizes) const override {
+    if (!prepared->choice_pending) return Status::success();
+    if (!a.mask || p.empty() || sizes == nullptr) {
+      prepared->choice_pending = false;
+      return Status::success();
+    }
+    // (The layout of the preparation as it was made: with its lists and their estimate.)
+    const PreparedLayout layout = prepared_layout(*a.mask, p, *prepared);
+    prepared->choice_pending = false;
+    const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
+    const std::size_t begin = layout.lists_offset() + kernels::key_list_counts_offset(extent);
+    kernels::ListEstimate estimate;
+    std::memcpy(&estimate, static_cast<const char*>(sizes) + (layout.estimate_offset() - begin), sizeof(estimate));
+    const kernels::ListGate gate = list_gate(p);
+    prepared->gather_forward = prepared->gather_backward = prepared->gather_backward_unpaired = false;
+    // (Where the estimate rules the gather path out, the gated build wrote no sizes.)
+    if (kernels::lists_may_pay(estimate, gate.share_permille, gate.sparse_permille)) {
+      choose_paths(a, p, listed_work(extent, static_cast<const int*>(sizes)), prepared);
     }
     return Status::success();
   }

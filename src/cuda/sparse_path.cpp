@@ -54,14 +54,19 @@ cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t error = cudaStreamIsCapturing(stream, &capture);
   if (error != cudaSuccess || capture != cudaStreamCaptureStatusNone) return error;
-  const std::size_t n = static_cast<std::size_t>(e.lists());
-  // The counts and the block counts lie back to back (key_lists_bytes): one copy.
-  std::vector<int> sizes(2 * n);
-  if (n > 0) {
-    error = cudaMemcpyAsync(sizes.data(), lists.counts, sizes.size() * sizeof(int), cudaMemcpyDeviceToHost, stream);
+  std::vector<int> sizes(list_sizes_bytes(e) / sizeof(int));
+  if (!sizes.empty()) {
+    error = cudaMemcpyAsync(sizes.data(), lists.counts, list_sizes_bytes(e), cudaMemcpyDeviceToHost, stream);
     if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
     if (error != cudaSuccess) return error;
   }
+  *work = listed_work(e, sizes.data());
+  return cudaSuccess;
+}
+
+ListedWork listed_work(const kernels::KeyListExtent& e, const int* sizes) {
+  ListedWork work;
+  const std::size_t n = static_cast<std::size_t>(e.lists());
   // List t of (batch, head) is query tile t % query_tiles(); its rows see keys up to the causal
   // limit of its last row, j <= rows_end - 1 + diagonal.
   const auto chunks = [&](std::int64_t keys) { return (keys + e.block_n - 1) / e.block_n; };
@@ -69,12 +74,12 @@ cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists
     const std::int64_t tile = static_cast<std::int64_t>(list) % e.query_tiles();
     const std::int64_t rows_end = std::min<std::int64_t>((tile + 1) * e.block_m, e.seqlen_q);
     const std::int64_t keys = e.causal ? std::clamp<std::int64_t>(rows_end + e.diagonal, 0, e.seqlen_k) : e.seqlen_k;
-    work->listed += chunks(sizes[list]);
-    work->visible += sizes[n + list];
-    work->span += chunks(keys);
+    work.listed += chunks(sizes[list]);
+    work.visible += sizes[n + list];
+    work.span += chunks(keys);
   }
-  work->known = true;
-  return cudaSuccess;
+  work.known = true;
+  return work;
 }
 
 bool gather_pays(const ListedWork& work, double share) {

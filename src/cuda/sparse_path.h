@@ -65,8 +65,8 @@ bool gather_applies(const std::optional<TensorView>& mask, std::int64_t seqlen_q
 // sm80 (an H200 with the sm90a tile kernels, seed B1 H2/1 S16384 D32; fwd / bwd ms): at a share of
 // 0.12 gathered 0.23 / 0.36 against tile 0.69 / 2.87; at 0.44 0.53 / 0.62 against 0.60 / 2.66; at
 // 0.75 0.73 / 0.92 against 0.53 / 2.14; at 1.0 1.05 / 1.25 against 0.39 / 2.01. A line through
-// the sm80 gathered forwards crosses the tile forward near 0.53; at D32 the gathered backward
-// stays faster at every share.
+// the sm80 gathered forwards crosses the tile forward near 0.53; the gathered backward was then
+// faster at every share (no longer: kD32GatherBackwardShare).
 // At D32 the sm90a gather forward was only 1.2x the sm80 one (seed top-1024: 0.046 against 0.056
 // gpu ms, one H100), against 1.7x at D128, and its crossover there is not measured: D32 keeps the
 // sm80 threshold.
@@ -83,8 +83,16 @@ inline constexpr double kPairedGatherBackwardShare = 0.8;
 // sm90a_paired: the same suite on an H200 (2026-11-27): share 0.76 4.60 / 6.98, 0.94 5.66 /
 // 6.28, 1.0 5.91 / 5.33: the lines cross near 0.97.
 inline constexpr double kSm90aPairedGatherBackwardShare = 0.95;
+// D32, every kernel. Since the tile backward shares a KV head's query heads among CTAs on small
+// grids (head splits), a full mask's tile backward beats the gathered one. Measured on an H200
+// (2026-11-29, bench CLI `--suite seed --modes bwd --impl ours_tile --impl ours_gather`, B1 H2/1
+// S16384 D32 causal, prepared masks held to each path, gpu ms, gathered / tile): top-4096 (a share
+// of 0.44) 0.492 / 1.019, top-8192 (0.75) 0.741 / 0.992, top-16384 (1.0, every tile full) 0.973 /
+// 0.644. Scattered keys keep the tile backward near 1 ms at every share (its tiles stay partly
+// visible), so only full tiles make it the faster one.
+inline constexpr double kD32GatherBackwardShare = 0.9;
 inline double gather_backward_share(std::int64_t head_dim, GatherBackwardKernel kernel) {
-  if (head_dim <= 32) return 1.0;
+  if (head_dim <= 32) return kD32GatherBackwardShare;
   switch (kernel) {
     case GatherBackwardKernel::sm90a_paired: return kSm90aPairedGatherBackwardShare;
     case GatherBackwardKernel::sm80_paired: return kPairedGatherBackwardShare;
@@ -128,6 +136,12 @@ struct ListedWork {
 // stream being captured into a CUDA graph cannot wait (docs/python.md): not known.
 cudaError_t listed_work(const kernels::KeyListExtent& extent, const kernels::KeyLists& lists, cudaStream_t stream,
                         ListedWork* work);
+// The same from a host copy of the lists' sizes (list_sizes_bytes of them): the counts, then the
+// block counts (KeyLists::counts and ::blocks, which lie back to back).
+ListedWork listed_work(const kernels::KeyListExtent& extent, const int* sizes);
+inline std::size_t list_sizes_bytes(const kernels::KeyListExtent& extent) {
+  return 2 * static_cast<std::size_t>(extent.lists()) * sizeof(int);
+}
 
 // Whether the gather path pays for a pass whose threshold is `share` (the shares above): where
 // the visible tiles are at most kSparseTilesShare of the span, or the listed keys at most `share`

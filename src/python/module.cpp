@@ -8,6 +8,7 @@
 // work releases the GIL, so CPU threads and other Python threads run meanwhile.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -283,7 +284,7 @@ NB_MODULE(_C, m) {
       });
 
   // paths: bit 0 gather_forward, bit 1 gather_backward, bit 2 sm90a_forward_lists, bit 3
-  // gather_backward_unpaired (one int through the torch ops' schemas).
+  // gather_backward_unpaired, bit 4 choice_pending (one int through the torch ops' schemas).
   nb::class_<fd::PreparedMask>(m, "PreparedMask",
                                "A mask prepared for the calls that share it (attention.h PreparedMask): its memory, "
                                "and the fingerprint and gather paths prepare_mask() sets")
@@ -297,12 +298,13 @@ NB_MODULE(_C, m) {
             prepared->gather_backward = (paths & 2) != 0;
             prepared->sm90a_forward_lists = (paths & 4) != 0;
             prepared->gather_backward_unpaired = (paths & 8) != 0;
+            prepared->choice_pending = (paths & 16) != 0;
           },
           nb::arg("data") = 0, nb::arg("bytes") = 0, nb::arg("fingerprint") = 0, nb::arg("paths") = 0)
       .def_prop_ro("fingerprint", [](const fd::PreparedMask& p) { return p.fingerprint; })
       .def_prop_ro("paths", [](const fd::PreparedMask& p) {
         return (p.gather_forward ? 1 : 0) | (p.gather_backward ? 2 : 0) | (p.sm90a_forward_lists ? 4 : 0) |
-               (p.gather_backward_unpaired ? 8 : 0);
+               (p.gather_backward_unpaired ? 8 : 0) | (p.choice_pending ? 16 : 0);
       });
 
   nb::class_<fd::ForwardArgs>(m, "ForwardArgs", "The arguments of one forward call (attention.h)")
@@ -449,28 +451,53 @@ NB_MODULE(_C, m) {
       },
       nb::arg("args"), Release(), "Bytes of scratch memory backward() needs for these arguments");
 
-  // summary_only: MaskPreparation::tile_summary, else full.
-  auto preparation = [](bool summary_only) {
-    return summary_only ? fd::MaskPreparation::tile_summary : fd::MaskPreparation::full;
+  // what: the MaskPreparation by name.
+  auto preparation = [](const std::string& what) {
+    if (what == "full") return fd::MaskPreparation::full;
+    if (what == "tile_summary") return fd::MaskPreparation::tile_summary;
+    if (what == "deferred_choice") return fd::MaskPreparation::deferred_choice;
+    if (what == "deferred_choice_with_lists") return fd::MaskPreparation::deferred_choice_with_lists;
+    throw nb::value_error(("flash_dmattn: argument 'what': expected 'full', 'tile_summary', 'deferred_choice' or "
+                           "'deferred_choice_with_lists', got '" + what + "'")
+                              .c_str());
   };
   m.def(
       "prepared_mask_size",
-      [preparation](const fd::ForwardArgs& args, bool summary_only) {
+      [preparation](const fd::ForwardArgs& args, const std::string& what) {
         std::size_t bytes = 0;
-        fd::throw_if_error(fd::prepared_mask_size(args, &bytes, preparation(summary_only)));
+        fd::throw_if_error(fd::prepared_mask_size(args, &bytes, preparation(what)));
         return bytes;
       },
-      nb::arg("args"), nb::arg("summary_only") = false, Release(),
+      nb::arg("args"), nb::arg("what") = "full", Release(),
       "Bytes of memory prepare_mask() needs for these (masked forward) arguments");
   m.def(
       "prepare_mask",
-      [preparation](const fd::ForwardArgs& args, fd::PreparedMask& prepared, bool summary_only) {
-        fd::throw_if_error(fd::prepare_mask(args, &prepared, preparation(summary_only)));
+      [preparation](const fd::ForwardArgs& args, fd::PreparedMask& prepared, const std::string& what) {
+        fd::throw_if_error(fd::prepare_mask(args, &prepared, preparation(what)));
       },
-      nb::arg("args"), nb::arg("prepared"), nb::arg("summary_only") = false, Release(),
+      nb::arg("args"), nb::arg("prepared"), nb::arg("what") = "full", Release(),
       "Builds args.mask's preparation into prepared's memory and sets its fingerprint and paths; asynchronous on "
-      "the stream for CUDA tensors (attention.h prepare_mask); summary_only: the tile summary alone (no lists, no "
-      "wait: MaskPreparation::tile_summary)");
+      "the stream for CUDA tensors (attention.h prepare_mask); what: the MaskPreparation ('full', 'tile_summary': "
+      "the summary alone, no lists, no wait; 'deferred_choice': summary and the lists that may pay, no wait, the "
+      "paths chosen later by choose_mask_paths; 'deferred_choice_with_lists': every list)");
+  m.def(
+      "prepared_list_sizes",
+      [](const fd::ForwardArgs& args, const fd::PreparedMask& prepared) {
+        std::size_t offset = 0, bytes = 0;
+        fd::throw_if_error(fd::prepared_list_sizes(args, prepared, &offset, &bytes));
+        return std::make_pair(offset, bytes);
+      },
+      nb::arg("args"), nb::arg("prepared"),
+      "(offset, bytes): where a deferred preparation's key-list sizes lie in its memory (attention.h "
+      "prepared_list_sizes)");
+  m.def(
+      "choose_mask_paths",
+      [](const fd::ForwardArgs& args, fd::PreparedMask& prepared, std::uintptr_t sizes, std::size_t bytes) {
+        fd::throw_if_error(fd::choose_mask_paths(args, &prepared, reinterpret_cast<const void*>(sizes), bytes));
+      },
+      nb::arg("args"), nb::arg("prepared"), nb::arg("sizes"), nb::arg("bytes"),
+      "Chooses a deferred preparation's paths from a host copy of its key-list sizes at address `sizes` (attention.h "
+      "choose_mask_paths); sets prepared.paths");
 
   m.def(
       "forward",

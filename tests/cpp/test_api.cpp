@@ -248,6 +248,38 @@ TEST(Api, PreparedMaskIsCheckedAgainstEveryCallThatReadsIt) {
   EXPECT_EQ(prepare_mask(p.forward_args(), nullptr).code(), StatusCode::invalid_argument);
 }
 
+TEST(Api, DeferredChoiceOfPathsIsCheckedAgainstItsPreparation) {
+  auto rng = test_rng();
+  ApiProblem p(Sizes{2, 5, 7, 4, 2, 8}, DType::bfloat16, DType::bfloat16, rng);
+  std::size_t bytes = 1;
+  ASSERT_TRUE(prepared_mask_size(p.forward_args(), &bytes, MaskPreparation::deferred_choice).ok());
+  EXPECT_EQ(bytes, 0u);
+  PreparedMask deferred;
+  ASSERT_TRUE(prepare_mask(p.forward_args(), &deferred, MaskPreparation::deferred_choice).ok());
+  EXPECT_NE(deferred.fingerprint, 0u);
+  EXPECT_FALSE(deferred.choice_pending);  // the CPU reference builds nothing, so chooses nothing later
+  std::size_t offset = 1;
+  bytes = 1;
+  ASSERT_TRUE(prepared_list_sizes(p.forward_args(), deferred, &offset, &bytes).ok());
+  EXPECT_EQ(bytes, 0u);
+  Status status = choose_mask_paths(p.forward_args(), &deferred, nullptr, 0);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_FALSE(deferred.lists());
+
+  // Sizes of another length, another call's arguments, no preparation: refused, named.
+  const int sizes[2] = {0, 0};
+  status = choose_mask_paths(p.forward_args(), &deferred, sizes, sizeof(sizes));
+  EXPECT_EQ(status.code(), StatusCode::invalid_argument);
+  EXPECT_NE(status.message().find("'sizes'"), std::string::npos) << status.message();
+  ForwardArgs other = p.forward_args();
+  other.options.causal = !other.options.causal;
+  status = choose_mask_paths(other, &deferred, nullptr, 0);
+  EXPECT_EQ(status.code(), StatusCode::invalid_argument);
+  EXPECT_NE(status.message().find("'prepared'"), std::string::npos) << status.message();
+  EXPECT_EQ(prepared_list_sizes(other, deferred, &offset, &bytes).code(), StatusCode::invalid_argument);
+  EXPECT_EQ(choose_mask_paths(p.forward_args(), nullptr, nullptr, 0).code(), StatusCode::invalid_argument);
+}
+
 TEST(Api, RowsAlignedNeedsWholeVectorsAndAContiguousLastDim) {
   alignas(16) static std::uint16_t memory[4096];
   void* base = memory;

@@ -40,7 +40,7 @@ TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
   EXPECT_EQ(gather_backward_share(128, Kernel::sm80_paired), kPairedGatherBackwardShare);
   EXPECT_EQ(gather_backward_share(128, Kernel::sm90a_paired), kSm90aPairedGatherBackwardShare);
   EXPECT_EQ(gather_backward_share(64, Kernel::sm80), 0.8);
-  EXPECT_EQ(gather_backward_share(32, Kernel::sm80_paired), 1.0);
+  EXPECT_EQ(gather_backward_share(32, Kernel::sm80_paired), kD32GatherBackwardShare);
   // Scattered keys at 0.76 of the span (top-4096 of 8192): gathered with paired heads only.
   ListedWork work;
   work.listed = 76, work.visible = 100, work.span = 100, work.known = true;

@@ -147,6 +147,45 @@ class KeyListBuild : public GpuTest {
         }
       }
     }
+    check_estimate(c, le, summary, list_space, counts, blocks);
+  }
+
+  // The estimate's bounds around the lists' own sums (as listed_work sums them), and a build gated
+  // by an estimate: every list where it may pay (share and sparse shares of 0: only lists without
+  // a full block, or without a visible one), nothing where it cannot (the poison stays).
+  void check_estimate(const ListCase& c, const KeyListExtent& le, const TileSummary& summary, DeviceBuffer& space,
+                      const std::vector<int>& counts, const std::vector<int>& blocks) {
+    DeviceBuffer estimate_space(sizeof(kernels::ListEstimate));
+    auto* device_estimate = static_cast<kernels::ListEstimate*>(estimate_space.data());
+    cuda_check(kernels::estimate_key_lists(le, summary, device_estimate, stream()), "estimate_key_lists");
+    const auto estimate = download<kernels::ListEstimate>(device_estimate, 1, stream())[0];
+    unsigned long long listed = 0, visible = 0, span = 0;
+    for (std::int64_t list = 0; list < le.lists(); ++list) {
+      const std::int64_t t = list % le.query_tiles();
+      const std::int64_t rows_end = std::min(c.rows, (t + 1) * c.block_m);
+      const std::int64_t keys = c.causal ? std::clamp<std::int64_t>(rows_end + c.diagonal, 0, c.cols) : c.cols;
+      listed += (counts[list] + c.block_n - 1) / c.block_n;
+      visible += blocks[list];
+      span += (keys + c.block_n - 1) / c.block_n;
+    }
+    EXPECT_LE(estimate.listed_at_least, listed);
+    EXPECT_LE(estimate.visible_at_least, visible);
+    EXPECT_GE(estimate.visible_at_most, visible);
+    EXPECT_EQ(estimate.span, span);
+    if (c.density == 1.0 && c.keep_every == 0 && !c.causal && c.cols >= 64) {
+      EXPECT_GT(estimate.listed_at_least, 0u) << "a full mask's blocks are full";
+    }
+    const bool may = kernels::lists_may_pay(estimate, 0, 0);
+    const std::size_t bytes = kernels::key_lists_bytes(le);
+    cuda_check(cudaMemsetAsync(space.data(), 0xab, bytes, stream()), "list poison");
+    KeyLists gated;
+    cuda_check(kernels::build_key_lists(le, summary, space.data(), stream(), &gated, kernels::ListGate{device_estimate, 0, 0}),
+               "gated build_key_lists");
+    const auto gated_counts = download<int>(gated.counts, counts.size(), stream());
+    constexpr int kPoison = static_cast<int>(0xabababab);
+    for (std::size_t list = 0; list < counts.size(); ++list) {
+      ASSERT_EQ(gated_counts[list], may ? counts[list] : kPoison) << "list " << list << (may ? " built" : " skipped");
+    }
   }
 };
 

@@ -4,6 +4,8 @@ same-precision torch implementation, plus one rounding (tolerance.py).
 
 Skipped without torch or without a GPU.
 """
+import collections
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -255,37 +257,96 @@ def test_prepared_mask_holds_the_lists_of_the_forward_that_reads_them(monkeypatc
     assert (prepared._prepared[2] & 4 != 0) == (prepared.nbytes > prepared_sm80.nbytes)
 
 
+def _record_preparations(monkeypatch):
+    """The `what` of each preparation torch_ops.attention makes, in a list."""
+    made = []
+    prepare = torch_ops._prepare
+
+    def recording(q, k, v, mask, causal, what):
+        made.append(what)
+        return prepare(q, k, v, mask, causal, what)
+
+    monkeypatch.setattr(torch_ops, "_prepare", recording)
+    return made
+
+
 def test_training_forward_holds_its_tile_summary_for_the_backward(monkeypatch):
     """An eager CUDA forward that autograd will differentiate prepares a mask with a row per query
-    of at least _HELD_SUMMARY_MASK_BYTES itself, the tile summary alone (no lists, no wait), and
-    its backward reads that summary instead of the mask: outputs and gradients are bitwise those
-    of calls that summarize the mask in each pass, and match the reference."""
+    of at least _HELD_SUMMARY_MASK_BYTES itself (in deterministic mode the tile summary alone, no
+    lists, no wait), and its backward reads that summary instead of the mask: outputs and
+    gradients are bitwise those of calls that summarize the mask in each pass, and match the
+    reference."""
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
     case = make_case(2, 300, 290, 4, 2, 32, device="cuda", mask_shape=(2, 2, 300, 290), bias_shape=(2, 2, 1, 290),
                      keep=0.5)
     dout = torch.randn_like(case["q"])
-    held = []
-    prepare = torch_ops.prepare
-
-    def recording(*args, **kwargs):
-        held.append(kwargs.get("summary_only"))
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(torch_ops, "prepare", recording)
+    held = _record_preparations(monkeypatch)
     monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 1 << 40)
     out, lse, grads = run_flash(case, dout, is_causal=True, deterministic=True)
     assert held == []
     monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 0)
     held_out, held_lse, held_grads = run_flash(case, dout, is_causal=True, deterministic=True)
-    assert held == [True]
+    assert held == ["tile_summary"]
     assert torch.equal(held_out, out) and torch.equal(held_lse, lse)
     for name, grad in grads.items():
         assert torch.equal(held_grads[name], grad), name
-    check_against_reference(case, dout, is_causal=True)  # (the default mode, holding its summary)
-    assert held == [True, True]
+    check_against_reference(case, dout, is_causal=True)  # (the default mode, its choice deferred)
+    assert held == ["tile_summary", "deferred_choice"]
     with torch.no_grad():  # no backward to come: nothing held
         flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], is_causal=True)
-    assert held == [True, True]
+    assert len(held) == 2
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("arrival", ["arrived", "pending", "predicted"])
+def test_training_backward_takes_the_gather_path_its_forward_prepared(arrival, head_dim, monkeypatch):
+    """A training forward's preparation (MaskPreparation::deferred_choice) holds the key lists and
+    copies their sizes back without waiting. The backward chooses its path from them as
+    prepare_mask would where they have arrived; where not, as the latest call of the same shapes
+    chose ("predicted"), and without one keeps the tile path ("pending"). Either way the
+    gradients match the reference."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 0)
+    monkeypatch.setattr(torch_ops, "_CHOSEN", {})
+    monkeypatch.setattr(torch_ops, "_AWAITED", collections.deque(maxlen=4))
+    batch, seqlen, heads, kv_heads = 2, 384, 4, 2
+    case = make_case(batch, seqlen, seqlen, heads, kv_heads, head_dim, device="cuda",
+                     bias_shape=(batch, kv_heads, 1, seqlen))
+    # The same 24 scattered keys for every row of a head (as top-k of a bias row), causal: every
+    # tile of the mask partly visible, few keys per query tile.
+    rank = torch.rand(batch, kv_heads, 1, seqlen, generator=torch.Generator().manual_seed(3)).argsort(-1).argsort(-1)
+    case["mask"] = (rank < 24).expand(batch, kv_heads, seqlen, seqlen).contiguous().cuda()
+    dout = torch.randn_like(case["q"])
+    held = _record_preparations(monkeypatch)
+    chosen, arrive = [], [arrival == "arrived"]
+    paths = torch_ops._PendingChoice.paths
+
+    def choosing(self, bits):
+        if arrive[0]:
+            self.arrived.synchronize()
+        else:
+            self.arrived = type("NotYet", (), {"query": lambda _: False})()
+        chosen.append(paths(self, bits))
+        return chosen[-1]
+
+    monkeypatch.setattr(torch_ops._PendingChoice, "paths", choosing)
+    if arrival == "predicted":  # an earlier call of the same shapes whose sizes arrived
+        arrive[0] = True
+        run_flash(case, dout, is_causal=True)
+        arrive[0] = False
+        del chosen[:], held[:]
+    check_against_reference(case, dout, is_causal=True)
+    assert held == ["deferred_choice_with_lists" if arrival == "predicted" else "deferred_choice"]
+    assert len(chosen) == 1
+    pending, backward_paths = torch_ops._CHOICE_PENDING, torch_ops._BACKWARD_PATHS
+    if arrival == "arrived":  # as a preparation that waits for the sizes chooses
+        assert not chosen[0] & pending and chosen[0] & backward_paths, chosen[0]
+        full = torch_ops.prepare(case["q"], case["k"], case["v"], case["mask"], True)[2]
+        assert chosen[0] & backward_paths == full & backward_paths, (chosen[0], full)
+    elif arrival == "predicted":
+        assert chosen[0] & pending and chosen[0] & backward_paths, chosen[0]
+    else:
+        assert chosen[0] & pending and not chosen[0] & backward_paths, chosen[0]
 
 
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
@@ -305,12 +366,11 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
         pytest.skip(str(error))
     assert (prepared.path, prepared.backward_path) == ("gather", "gather")
-    # A full mask lists every key of the span: the tile forward, and at D32 the gather backward,
-    # which measured faster there too (kGatherForwardShare, gather_backward_share).
+    # A full mask lists every key of the span: the tile path both ways, whatever the heads
+    # (kGatherForwardShare, kD32GatherBackwardShare).
     dense = flash_dmattn.prepare_mask(q, k, v, full, is_causal=True)
-    assert (dense.path, dense.backward_path) == ("tile", "gather")
-    # At D32 a backward with a head per CTA gathers up to the whole span too.
-    assert (prepared.backward_path_unpaired, dense.backward_path_unpaired) == ("gather", "gather")
+    assert (dense.path, dense.backward_path) == ("tile", "tile")
+    assert (prepared.backward_path_unpaired, dense.backward_path_unpaired) == ("gather", "tile")
     leaves = {n: case[n].clone().requires_grad_() for n in ("q", "k", "v", "bias")}
     dout = torch.randn_like(q)
 

@@ -45,9 +45,10 @@ __device__ __forceinline__ int nonempty_blocks(std::uint32_t word, int words_per
 }
 
 __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent e, const TileSummary s,
-                                                             const ListOutput out) {
+                                                             const ListOutput out, const ListGate gate) {
   const GridCoords c = unfold_block(key_list_grid_shape(e));
   let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
+  if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) return;
   const int m_begin = c.x * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
   const std::int64_t list = (std::int64_t(c.z) * e.heads + c.y) * e.query_tiles() + c.x;
   const std::uint32_t* bits = s.bits + c.z * s.bits_batch_stride + c.y * s.bits_head_stride;
@@ -60,6 +61,15 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   if (e.causal) key_end = max(0, min(key_end, m_end - 1 + e.diagonal + 1));
   const int words = (key_end + 31) / 32;
   const int rows = m_end - m_begin;
+  // Whether some row block of the tile sees a key of 64-key summary block b (its class): the OR
+  // skips the words of the blocks that no row sees, most of a window's or a causal corner's.
+  const std::uint8_t* classes = s.classes + c.z * s.batch_stride + c.y * s.head_stride;
+  const int row_block_begin = m_begin / kSummaryBlock, row_block_end = (m_end - 1) / kSummaryBlock + 1;
+  auto block_seen = [&](int b) {
+    std::uint8_t any = 0;
+    for (int rb = row_block_begin; rb < row_block_end; ++rb) any |= classes[rb * s.row_stride + b * s.col_stride];
+    return (any & kTileHasVisible) != 0;
+  };
   // Word w of row r, without the bits past the row's own causal limit (they may be unwritten).
   auto row_word = [&](int r, int w) -> std::uint32_t {
     const int i = m_begin + r;
@@ -89,8 +99,10 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   for (int base = 0; base < words; base += kThreads) {
     const int w = base + threadIdx.x;
     std::uint32_t word = 0;
+    if (w < words && block_seen(w * 32 / kSummaryBlock)) {
 #pragma unroll 8
-    for (int r = 0; r < rows; ++r) word |= row_word(r, w);
+      for (int r = 0; r < rows; ++r) word |= row_word(r, w);
+    }
     const int n = __popc(word);
     // A pass's 256 words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
     const int warp_blocks = nonempty_blocks(word, words_per_chunk_row);
@@ -139,12 +151,93 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   }
 }
 
+constexpr int kEstimateWarps = 8;
+
+// A warp per list: its lanes walk the list's 64-key summary blocks, then its blocks of block_n
+// keys, reading the classes of the tile's row blocks, and one lane adds the list's bounds.
+__global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const KeyListExtent e, const TileSummary s,
+                                                                      ListEstimate* estimate) {
+  const std::int64_t list = std::int64_t(blockIdx.x) * kEstimateWarps + threadIdx.x / 32;
+  if (list >= e.lists()) return;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t tiles = e.query_tiles();
+  const int tile = static_cast<int>(list % tiles), head = static_cast<int>(list / tiles % e.heads);
+  const int batch = static_cast<int>(list / tiles / e.heads);
+  const int m_begin = tile * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
+  int key_end = e.seqlen_k, seen_by_all = e.seqlen_k;  // keys past the last row's limit; up to the first row's
+  if (e.causal) {
+    key_end = max(0, min(key_end, m_end + e.diagonal));
+    seen_by_all = max(0, min(seen_by_all, m_begin + e.diagonal + 1));
+  }
+  const std::uint8_t* classes = s.classes + batch * s.batch_stride + head * s.head_stride;
+  const int row_block_begin = m_begin / kSummaryBlock, row_block_end = (m_end - 1) / kSummaryBlock + 1;
+  // Block c of 64 keys: whether some row block sees a key of it (visible), and whether some row
+  // block sees all of it and every row of the tile may (full).
+  auto flags = [&](int c, bool* visible, bool* full) {
+    std::uint8_t any = 0;
+    bool whole = false;
+    for (int rb = row_block_begin; rb < row_block_end; ++rb) {
+      const std::uint8_t k = classes[rb * s.row_stride + c * s.col_stride];
+      any |= k;
+      whole |= k == kTileHasVisible;
+    }
+    *visible = (any & kTileHasVisible) && c * kSummaryBlock < key_end;
+    *full = whole && (c + 1) * kSummaryBlock <= seen_by_all;
+  };
+  unsigned long long full_blocks = 0, visible_lo = 0, visible_hi = 0;
+  const int summary_blocks = (key_end + kSummaryBlock - 1) / kSummaryBlock;
+  for (int c = lane; c < summary_blocks; c += 32) {
+    bool visible, full;
+    flags(c, &visible, &full);
+    full_blocks += full;
+  }
+  // A chunk of block_n keys covers summary blocks [first, last]: one or several (block_n >= 64),
+  // or part of one (block_n = 32).
+  const int chunks = (key_end + e.block_n - 1) / e.block_n;
+  for (int n = lane; n < chunks; n += 32) {
+    const int first = n * e.block_n / kSummaryBlock, last = ((n + 1) * e.block_n - 1) / kSummaryBlock;
+    bool any_visible = false, any_full = false;
+    for (int c = first; c <= last && c < summary_blocks; ++c) {
+      bool visible, full;
+      flags(c, &visible, &full);
+      any_visible |= visible;
+      any_full |= full;
+    }
+    visible_hi += any_visible;
+    visible_lo += any_full;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    full_blocks += __shfl_xor_sync(0xffffffffu, full_blocks, offset);
+    visible_lo += __shfl_xor_sync(0xffffffffu, visible_lo, offset);
+    visible_hi += __shfl_xor_sync(0xffffffffu, visible_hi, offset);
+  }
+  if (lane == 0) {
+    const unsigned long long listed_keys = full_blocks * kSummaryBlock;
+    atomicAdd(&estimate->listed_at_least, (listed_keys + e.block_n - 1) / e.block_n);
+    atomicAdd(&estimate->visible_at_least, visible_lo);
+    atomicAdd(&estimate->visible_at_most, visible_hi);
+    atomicAdd(&estimate->span, static_cast<unsigned long long>(chunks));
+  }
+}
+
 }  // namespace
 
-std::size_t key_lists_bytes(const KeyListExtent& e) {
+cudaError_t estimate_key_lists(const KeyListExtent& e, const TileSummary& summary, ListEstimate* estimate,
+                               cudaStream_t stream) {
+  cudaError_t error = cudaMemsetAsync(estimate, 0, sizeof(ListEstimate), stream);
+  const std::int64_t ctas = (e.lists() + kEstimateWarps - 1) / kEstimateWarps;
+  if (error != cudaSuccess || ctas == 0) return error;
+  return launch_folded<0>(&estimate_kernel, GridShape{ctas, 1, 1}, kEstimateWarps * 32, stream, e, summary, estimate);
+}
+
+std::size_t key_list_counts_offset(const KeyListExtent& e) {
   const std::size_t lists = static_cast<std::size_t>(e.lists());
   return lists * (static_cast<std::size_t>(e.capacity()) * sizeof(int) +
-                  static_cast<std::size_t>(e.row_bits_words()) * sizeof(std::uint32_t) + 2 * sizeof(int));
+                  static_cast<std::size_t>(e.row_bits_words()) * sizeof(std::uint32_t));
+}
+
+std::size_t key_lists_bytes(const KeyListExtent& e) {
+  return key_list_counts_offset(e) + static_cast<std::size_t>(e.lists()) * 2 * sizeof(int);
 }
 
 KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
@@ -165,7 +258,7 @@ KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
 }
 
 cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, void* workspace, cudaStream_t stream,
-                            KeyLists* lists) {
+                            KeyLists* lists, const ListGate& gate) {
   // A mask that broadcasts over queries or keys has no per-row choice of keys to list. (With no
   // keys at all, the summary's rows are 0 words long and their stride 0: every list is empty.)
   if ((summary.bits_row_stride == 0 && e.seqlen_q > 1 && e.seqlen_k > 0) ||
@@ -181,7 +274,7 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   out.counts = reinterpret_cast<int*>(out.row_bits + n * e.row_bits_words());
   out.blocks = out.counts + n;
   if (n == 0) return cudaSuccess;
-  return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out);
+  return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out, gate);
 }
 
 }  // namespace flash_dmattn::kernels

@@ -36,15 +36,47 @@ inline constexpr int kMaxListRows = 128;
 // count per list, then per list its blocks of block_n keys that hold a listed key
 // (KeyLists::blocks).
 std::size_t key_lists_bytes(const KeyListExtent& extent);
+// Where in those bytes the counts begin (KeyLists::counts; the block counts follow them).
+std::size_t key_list_counts_offset(const KeyListExtent& extent);
 
 // The lists of this extent as they lie in `memory` (key_lists_bytes of it), built there earlier.
 KeyLists describe_key_lists(const KeyListExtent& extent, void* memory);
 
+// Bounds on the work of the lists of an extent, from the summary's classes alone
+// (estimate_key_lists), summed over the lists as listed_work sums their sizes (chunks of block_n
+// keys): the listed keys are at least those of the 64-key blocks some row block of a tile sees
+// in full and every row of it may see under causal masking; the blocks of block_n keys that hold
+// a listed key are at least those holding such a block and at most those holding a block with a
+// visible key; and the causal span. A summary pass cheap enough to run before every build.
+struct ListEstimate {
+  unsigned long long listed_at_least, visible_at_least, visible_at_most, span;
+};
+
+// The gather path's rule (gather_pays in sparse_path.h) as shares in thousandths: the gather pays
+// where the visible blocks are at most sparse_permille of the span or the listed keys at most
+// share_permille of the visible blocks. Whether lists so estimated may make it pay: false only
+// where they cannot, so that a build gated by it skips no lists that would have paid.
+struct ListGate {
+  const ListEstimate* estimate = nullptr;  // on the device; nullptr: build whatever the estimate
+  int share_permille = 0, sparse_permille = 0;
+};
+__host__ __device__ inline bool lists_may_pay(const ListEstimate& e, int share_permille, int sparse_permille) {
+  const bool sparse = e.visible_at_least * 1000 <= e.span * static_cast<unsigned long long>(sparse_permille);
+  return sparse || e.listed_at_least * 1000 <= e.visible_at_most * static_cast<unsigned long long>(share_permille);
+}
+
+// Launches the estimate of the lists of this extent on `stream` into *estimate (device memory),
+// from a summary built earlier on the same stream: a memset and one kernel (a warp per list).
+cudaError_t estimate_key_lists(const KeyListExtent& extent, const TileSummary& summary, ListEstimate* estimate,
+                               cudaStream_t stream);
+
 // Launches the build on `stream` into `workspace`, from the bits of a summary built earlier on the
 // same stream, and describes the lists in *lists. The mask must have a key per column and a row
 // per query (cudaErrorInvalidValue otherwise), block_m <= kMaxListRows and block_n 32 times a
-// divisor of 32. Each list reads its rows' words twice: once to OR them, once to compact each row's bits.
+// divisor of 32. Each list reads its rows' words twice: once to OR them, once to compact each row's
+// bits. With a gate, the build (on the device) writes nothing where its estimate says the lists
+// cannot pay: their sizes are then undefined, and the estimate says so.
 cudaError_t build_key_lists(const KeyListExtent& extent, const TileSummary& summary, void* workspace,
-                            cudaStream_t stream, KeyLists* lists);
+                            cudaStream_t stream, KeyLists* lists, const ListGate& gate = {});
 
 }  // namespace flash_dmattn::kernels
