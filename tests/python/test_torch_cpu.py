@@ -425,3 +425,44 @@ def test_the_one_pass_check_accepts_only_what_the_checks_accept():
                                None if bias is None else (bias.shape, bias.dtype))
         accepted += quick
     assert accepted > 20
+
+
+def test_a_pending_choice_reads_arrived_sizes_and_guesses_only_over_every_list(monkeypatch):
+    """torch_ops._PendingChoice without a GPU (its CUDA parts faked): the backward's paths come
+    from the sizes once they have arrived, and are remembered for the key; before that, a
+    preparation holding every list takes the key's latest backward choice, any other stays
+    pending (the tile path). The GPU suite runs the real thing."""
+    chosen_paths = 2 | 8  # what the faked choose_mask_paths chooses: both gather backwards
+
+    class FakePrepared:
+        def __init__(self, data, numel, fingerprint, paths):
+            self.paths = paths
+
+    def choose(args, prepared, sizes, size):
+        prepared.paths = chosen_paths
+
+    monkeypatch.setattr(torch_ops._C, "PreparedMask", FakePrepared)
+    monkeypatch.setattr(torch_ops._C, "choose_mask_paths", choose)
+    monkeypatch.setattr(torch_ops, "_CHOSEN", {})
+
+    class Event:
+        def __init__(self, arrived):
+            self.arrived = arrived
+
+        def query(self):
+            return self.arrived
+
+    def pending(key, arrived, with_lists):
+        p = object.__new__(torch_ops._PendingChoice)
+        p.key, p.args, p.with_lists, p.memory, p.fingerprint = key, None, with_lists, (0, 0), 1
+        p.pending_paths, p.sizes, p.arrived, p.chosen = torch_ops._CHOICE_PENDING, torch.empty(8, dtype=torch.uint8), \
+            Event(arrived), None
+        return p
+
+    waiting = torch_ops._CHOICE_PENDING
+    assert pending("a", False, True).paths(waiting) == waiting  # nothing chosen for "a" yet
+    assert pending("a", True, False).paths(waiting) == chosen_paths
+    assert torch_ops._CHOSEN == {"a": chosen_paths}
+    assert pending("a", False, True).paths(waiting) == waiting | chosen_paths  # every list held: the guess
+    assert pending("a", False, False).paths(waiting) == waiting  # lists the gate may have skipped: no guess
+    assert pending("b", False, True).paths(waiting) == waiting
