@@ -173,9 +173,11 @@ enum class MaskPreparation {
   // Everything the calls can use: the CUDA tile summary and, where the gather path may run, the
   // key lists and the choice of path for each pass (which may wait for the stream, below).
   full,
-  // The tile summary alone: no lists and no wait, and every call given it takes the tile path,
-  // as an unprepared call does. What the torch front builds in a forward that autograd will
-  // differentiate, so that its backward does not summarize the mask again.
+  // The tile summary alone: no lists and no wait, and every call given it takes the tile path
+  // as an unprepared call does (FLASH_DMATTN_SPARSE_PATH=gather still forces the gather path,
+  // whose lists such a call then builds itself). What the torch front builds in a deterministic
+  // forward that autograd will differentiate, so that its backward does not summarize the mask
+  // again.
   tile_summary,
   // The tile summary and, where the gather path may run, the key lists, without waiting: the
   // lists' sizes stay on the device (prepared_list_sizes() says where), and every call given the

@@ -193,7 +193,7 @@ struct BackwardParams {
   bool pair_heads = false;
   // Deterministic: the grid has key_splits CTAs per (KV head, batch); CTA s visits one key tile
   // of every key_splits (see backward_kernel) and owns dq slot s, whose elements only it reduces
-  // into. Otherwise one CTA per key tile, all reducing into slot 0.
+  // into. Otherwise one CTA per key tile (or head_splits, below), all reducing into slot 0.
   bool deterministic = false;
   int key_splits = 1;
   // Key-tile CTAs per (key tile, KV head, batch), each walking head_splits-th of the GQA group's

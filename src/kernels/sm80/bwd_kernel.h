@@ -1,6 +1,7 @@
-// The sm80 backward kernel entries and their launches: one CTA per (key tile, KV head, batch), or in
-// deterministic mode key_splits CTAs per (KV head, batch) that share out the key tiles; on the
-// gather path one CTA per (query tile, query head, batch).
+// The sm80 backward kernel entries and their launches: one CTA per (key tile, KV head, batch), or
+// head_splits of them each walking a share of the KV head's query heads where the grid is small
+// (BackwardParams::head_splits), or in deterministic mode key_splits CTAs per (KV head, batch)
+// that share out the key tiles; on the gather path one CTA per (query tile, query head, batch).
 #pragma once
 
 #include <cuda_runtime.h>

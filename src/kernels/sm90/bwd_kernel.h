@@ -1,7 +1,8 @@
 // The sm90a backward kernel entries and their launch: one CTA of two warpgroups per (key tile, KV
-// head, batch), or in deterministic mode key_splits CTAs per (KV head, batch) that share out the
-// key tiles; where params.separate_dq, then the dQ kernel, one CTA per (query tile, query head,
-// batch).
+// head, batch), or head_splits of them each walking a share of the KV head's query heads where the
+// grid is small (BackwardParams::head_splits), or in deterministic mode key_splits CTAs per (KV
+// head, batch) that share out the key tiles; where params.separate_dq, then the dQ kernel, one CTA
+// per (query tile, query head, batch).
 #pragma once
 
 #include <cuda_runtime.h>
