@@ -182,8 +182,9 @@ enum class MaskPreparation {
   // The tile summary and, where the gather path may run, the key lists, without waiting: the
   // lists' sizes stay on the device (prepared_list_sizes() says where), and every call given the
   // preparation takes the tile path until choose_mask_paths() has read a host copy of them and
-  // chosen as `full` would have. Lists that the summary shows cannot pay (a dense mask's, a
-  // window's) are skipped on the device, and their choice is the tile path. What the torch front
+  // chosen as `full` would have. Lists that the summary shows cannot pay (a full mask's; not a
+  // sliding window's, whose partly visible edge blocks keep it from showing that) are skipped
+  // on the device, and their choice is the tile path. What the torch front
   // builds in a forward that autograd will differentiate: the copy is queued behind the
   // preparation and has usually landed by the time the backward runs, which then chooses its
   // path without a wait.

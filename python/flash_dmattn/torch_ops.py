@@ -127,7 +127,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     (attention.h PreparedMask), built on the current stream into a uint8 tensor from torch's
     allocator (empty where the backend builds nothing, as on the CPU). what: the
     MaskPreparation, "full" (which may wait for the GPU to choose the paths), "tile_summary" (the
-    summary alone: every call on the tile path, no wait) or "deferred_choice" (_PendingChoice)."""
+    summary alone: every call on the tile path, no wait), "deferred_choice" or
+    "deferred_choice_with_lists" (the choice made later: _PendingChoice)."""
     storage, prepared, _ = _prepare(q, k, v, mask, causal, what)
     return storage, _signed(prepared.fingerprint), prepared.paths
 
