@@ -96,7 +96,8 @@ struct PreparedMask {
   // from those of the lists the backward reads (set by prepare_mask).
   bool sm90a_forward_lists = false;
   // Whether it holds key lists whose paths are not chosen yet (MaskPreparation::deferred_choice,
-  // until choose_mask_paths()): its calls take the tile path meanwhile.
+  // until choose_mask_paths()): its forwards choose on the device, its backwards take the tile
+  // path meanwhile.
   bool choice_pending = false;
 
   bool lists() const { return choice_pending || gather_forward || gather_backward || gather_backward_unpaired; }
@@ -180,14 +181,15 @@ enum class MaskPreparation {
   // again.
   tile_summary,
   // The tile summary and, where the gather path may run, the key lists, without waiting: the
-  // lists' sizes stay on the device (prepared_list_sizes() says where), and every call given the
-  // preparation takes the tile path until choose_mask_paths() has read a host copy of them and
-  // chosen as `full` would have. Lists that the summary shows cannot pay (a full mask's; not a
-  // sliding window's, whose partly visible edge blocks keep it from showing that) are skipped
-  // on the device, and their choice is the tile path. What the torch front
-  // builds in a forward that autograd will differentiate: the copy is queued behind the
-  // preparation and has usually landed by the time the backward runs, which then chooses its
-  // path without a wait.
+  // lists' sizes stay on the device (prepared_list_sizes() says where). Until choose_mask_paths()
+  // has read a host copy of them and chosen as `full` would have, a forward given the preparation
+  // makes the forward's choice on the device from them (launching both paths' kernels, the one
+  // not chosen returning at once; on CUDA where neither path splits the keys, else the tile
+  // path), and a backward takes the tile path. Lists that the summary shows cannot pay (a full
+  // mask's; not a sliding window's, whose partly visible edge blocks keep it from showing that)
+  // are skipped on the device, and their choice is the tile path. What the torch front builds in
+  // a forward that autograd will differentiate: the copy is queued behind the preparation and has
+  // usually landed by the time the backward runs, which then chooses its path without a wait.
   deferred_choice,
   // The same with every list built, for a caller that may set a gather path itself (its flags in
   // PreparedMask) before the choice has been made.

@@ -365,7 +365,7 @@ def attention(q, k, v, mask, bias, softmax_scale, causal, softcap, deterministic
     the summary come the key lists, and the backward takes the gather path where they hold few
     enough keys (as prepare_mask chooses), from their sizes copied back behind the forward, or
     where those have not arrived yet, as the latest call of the same shapes chose (_PendingChoice:
-    no wait; the forward itself keeps the tile path).
+    no wait; the forward makes its own choice on the device, from the same sizes).
     Without lists where no gather backward can follow (deterministic mode, the largest head
     dims, FLASH_DMATTN_SPARSE_PATH=tile); under FLASH_DMATTN_SPARSE_PATH=gather the summary and
     lists for both passes. The preparation stays until the backward runs (an eighth of the bool

@@ -341,15 +341,16 @@ cudaError_t mask_summary(const TensorView& mask, const Problem& p, const Prepare
   return kernels::build_tile_summary(mask_extent(mask, p), workspace, stream, summary);
 }
 
-// The call's key lists: from the prepared mask (lists_prepared), or built into `workspace`.
+// The call's key lists: from the prepared mask (lists_prepared), or built into `workspace` (a
+// build that `gate` may let skip them).
 cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& mask, const Problem& p,
                       const PreparedMask* prepared, const kernels::TileSummary& summary, void* workspace,
-                      cudaStream_t stream, kernels::KeyLists* lists) {
+                      cudaStream_t stream, kernels::KeyLists* lists, const kernels::ListGate& gate = {}) {
   if (const char* held = prepared_lists(prepared, extent, mask, p)) {
     *lists = kernels::describe_key_lists(extent, const_cast<char*>(held));
     return cudaSuccess;
   }
-  return kernels::build_key_lists(extent, summary, workspace, stream, lists);
+  return kernels::build_key_lists(extent, summary, workspace, stream, lists, gate);
 }
 
 // Whether a kernel needing `needed` bytes of shared memory per block (0: not built) fits p's device.
@@ -377,9 +378,9 @@ bool sm90a_lists_room(const ForwardArgs& a, const Problem& p) {
          !same_tile(forward_list_extent(*a.mask, p), sm90a_forward_list_extent(*a.mask, p));
 }
 
-// Whether a preparation of MaskPreparation::deferred_choice builds key lists: they serve its
-// calls' backward (the forward it was made in runs on the tile path), so only where the gather
-// backward could run and the choice is not forced either way.
+// Whether a preparation of MaskPreparation::deferred_choice builds key lists: they serve the
+// forward it was made for (device_choice) and its backward, so only where the gather backward
+// could run and the choice is not forced either way.
 bool deferred_lists_room(const ForwardArgs& a, const Problem& p) {
   return lists_room(a, p) && sparse_path() == SparsePath::automatic && p.seqlen_k > 0 &&
          smem_fits(kernels::sm80::gather_backward_smem_bytes(element_type(p.dtype), static_cast<int>(p.head_dim)), p);
@@ -418,7 +419,11 @@ std::optional<std::string> indices_cannot_run(const Problem& p, BackendImpl::Pas
 constexpr std::int64_t kUnsplitKeyTiles = 2;
 constexpr std::int64_t kSplitKeysMinKeys = 128;
 
-ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
+// The path a forward plan takes: the one the prepared mask or FLASH_DMATTN_SPARSE_PATH chose, or
+// the gather path where it is possible (a forward choosing its path on the device: device_choice).
+enum class ForwardPath { as_chosen, gather };
+
+ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch, ForwardPath path = ForwardPath::as_chosen) {
   ForwardPlan plan;
   if (a.mask && !a.prepared_mask) plan.summary_bytes = kernels::tile_summary_bytes(mask_extent(*a.mask, p));
   // Packing puts the query heads of one KV head into one CTA's rows, so they share each K/V load.
@@ -447,8 +452,9 @@ ForwardPlan plan_forward(const ForwardArgs& a, const Problem& p, int arch) {
     plan_gather(*a.indices);
     plan.summary_bytes = kernels::index_bits_bytes(plan.lists, index_rows(*a.indices).entries);
     plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
-  } else if (!per_sequence_lengths(p) && gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward) &&
-             gather_forward_fits(p)) {
+  } else if (!per_sequence_lengths(p) && gather_forward_fits(p) &&
+             (path == ForwardPath::gather ? gather_possible(a.mask, p.seqlen_q)
+                                          : gather_applies(a.mask, p.seqlen_q, a.prepared_mask, Pass::forward))) {
     // The splits of the gather path share out the chunks of each list.
     plan_gather(*a.mask);
     if (!lists_prepared(a.prepared_mask, plan.lists, *a.mask, p)) plan.lists_bytes = kernels::key_lists_bytes(plan.lists);
@@ -628,7 +634,9 @@ bool deferred_preparation(MaskPreparation what) {
 }
 
 // The gate of a deferred preparation's list build: the largest share any of choose_paths's choices
-// may take the gather path at, so that the gate skips only lists that no choice would read.
+// may take the gather path at, so that the gate skips only lists that no choice would read, but
+// for masks of whole blocks estimated above kDeferredListsShare. The choices from such a
+// preparation (choose_mask_paths, choose_gather_path) apply the same gate first.
 kernels::ListGate list_gate(const Problem& p) {
   const int arch = device_info(p.device.index).arch;
   const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
@@ -638,9 +646,36 @@ kernels::ListGate list_gate(const Problem& p) {
     share = std::max(share, gather_backward_share(p.head_dim, kernel));
   }
   kernels::ListGate gate;
-  gate.share_permille = static_cast<int>(std::ceil(share * 1000));
+  gate.share_permille = static_cast<int>(std::ceil(std::min(share, kDeferredListsShare) * 1000));
   gate.sparse_permille = static_cast<int>(std::ceil(kSparseTilesShare * 1000));
   return gate;
+}
+
+// A forward whose prepared mask's choice is pending (MaskPreparation::deferred_choice: the
+// preparation built the lists without waiting for their sizes) chooses its path on the device:
+// choose_gather_path reads the sizes and sets a flag in the workspace, then the gather path's
+// lists (where its kernel's tile is not the prepared lists') and kernel and the tile path's
+// kernel are all launched, and each returns at once where the flag names the other path
+// (ForwardParams::gather_chosen). So an unprepared scattered mask's forward takes the gather path
+// where prepare_mask would, without waiting for the GPU; the path not taken costs its launches.
+// Only where both paths run unsplit, as the training calls that defer a choice do.
+struct DeviceChoice {
+  ForwardPlan tile, gather;
+  // [either plan's workspace (the gather path's lists)][the flag]
+  std::size_t flag_offset() const { return align_up(std::max(tile.workspace_bytes(), gather.workspace_bytes())); }
+  std::size_t workspace_bytes() const { return flag_offset() + align_up(sizeof(int)); }
+};
+
+std::optional<DeviceChoice> device_choice(const ForwardArgs& a, const Problem& p, int arch) {
+  if (!a.mask || a.indices || !a.prepared_mask || !a.prepared_mask->choice_pending || p.empty() ||
+      sparse_path() != SparsePath::automatic || per_sequence_lengths(p) || !gather_forward_fits(p)) {
+    return std::nullopt;
+  }
+  DeviceChoice choice{plan_forward(a, p, arch), plan_forward(a, p, arch, ForwardPath::gather)};
+  if (choice.tile.gather || !choice.gather.gather || choice.tile.num_splits > 1 || choice.gather.num_splits > 1) {
+    return std::nullopt;
+  }
+  return choice;
 }
 
 BackwardPlan plan_backward(const BackwardArgs& a, const Problem& p, int arch) {
@@ -888,7 +923,10 @@ class CudaSm80Backend final : public BackendImpl {
   }
 
   std::size_t forward_workspace_size(const ForwardArgs& a, const Problem& p) const override {
-    return p.empty() ? 0 : plan_forward(a, p, arch_of(p.device.index)).workspace_bytes();
+    if (p.empty()) return 0;
+    const int arch = arch_of(p.device.index);
+    if (const auto choice = device_choice(a, p, arch)) return choice->workspace_bytes();
+    return plan_forward(a, p, arch).workspace_bytes();
   }
 
   std::size_t backward_workspace_size(const BackwardArgs& a, const Problem& p) const override {
@@ -1003,9 +1041,18 @@ class CudaSm80Backend final : public BackendImpl {
     if (p.empty()) return Status::success();
     const DeviceGuard guard(p.device.index);
     const auto stream = static_cast<cudaStream_t>(a.options.stream);
-    kernels::ForwardParams params = forward_params(a, p);
-    const ForwardPlan plan = plan_forward(a, p, arch_of(p.device.index));
+    const int arch = arch_of(p.device.index);
     char* workspace = static_cast<char*>(a.workspace.data);
+    if (const auto choice = device_choice(a, p, arch)) return forward_choosing_path(a, p, *choice, workspace, stream);
+    return run_forward(a, p, plan_forward(a, p, arch), workspace, stream);
+  }
+
+  // A forward as `plan` says, its kernels' CTAs returning at once where the device chose the
+  // other path (gather_chosen, device_choice).
+  static Status run_forward(const ForwardArgs& a, const Problem& p, const ForwardPlan& plan, char* workspace,
+                            cudaStream_t stream, const int* gather_chosen = nullptr) {
+    kernels::ForwardParams params = forward_params(a, p);
+    params.gather_chosen = gather_chosen;
     params.pack_group = plan.pack_group;
     params.num_splits = plan.num_splits;
     params.kv_pipeline = plan.kv_pipeline;
@@ -1023,8 +1070,10 @@ class CudaSm80Backend final : public BackendImpl {
       const cudaError_t e = mask_summary(*a.mask, p, a.prepared_mask, workspace, stream, &params.summary);
       if (e != cudaSuccess) return cuda_failure("the tile summary launch", e);
       if (plan.gather) {
+        kernels::ListGate gate;
+        gate.gather_chosen = gather_chosen;
         const cudaError_t l = key_lists(plan.lists, *a.mask, p, a.prepared_mask, params.summary,
-                                        workspace + plan.lists_offset(), stream, &params.lists);
+                                        workspace + plan.lists_offset(), stream, &params.lists, gate);
         if (l != cudaSuccess) return cuda_failure("the key-list launch", l);
       }
     }
@@ -1036,6 +1085,25 @@ class CudaSm80Backend final : public BackendImpl {
       if (e != cudaSuccess) return cuda_failure("the split-KV combine launch", e);
     }
     return Status::success();
+  }
+
+  Status forward_choosing_path(const ForwardArgs& a, const Problem& p, const DeviceChoice& choice, char* workspace,
+                               cudaStream_t stream) const {
+    int* chosen = reinterpret_cast<int*>(workspace + choice.flag_offset());
+    char* memory = static_cast<char*>(a.prepared_mask->memory.data);
+    const PreparedLayout layout = prepared_layout(*a.mask, p, *a.prepared_mask);
+    const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
+    kernels::ListGate gate = list_gate(p);  // the preparation's build's
+    gate.estimate = reinterpret_cast<const kernels::ListEstimate*>(memory + layout.estimate_offset());
+    // The share choose_paths gives the forward.
+    const double share = gather_forward_share(p.seqlen_q, p.head_dim, choice.gather.family == KernelFamily::sm90a);
+    const cudaError_t e =
+        kernels::choose_gather_path(extent, kernels::describe_key_lists(extent, memory + layout.lists_offset()), gate,
+                                    share, kSparseTilesShare, chosen, stream);
+    if (e != cudaSuccess) return cuda_failure("the path choice launch", e);
+    const Status gathered = run_forward(a, p, choice.gather, workspace, stream, chosen);
+    if (!gathered.ok()) return gathered;
+    return run_forward(a, p, choice.tile, workspace, stream, chosen);
   }
 
   Status backward(const BackwardArgs& a, const Problem& p) const override {

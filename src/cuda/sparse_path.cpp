@@ -1,6 +1,5 @@
 #include "cuda/sparse_path.h"
 
-#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -67,26 +66,18 @@ cudaError_t listed_work(const kernels::KeyListExtent& e, const kernels::KeyLists
 ListedWork listed_work(const kernels::KeyListExtent& e, const int* sizes) {
   ListedWork work;
   const std::size_t n = static_cast<std::size_t>(e.lists());
-  // List t of (batch, head) is query tile t % query_tiles(); its rows see keys up to the causal
-  // limit of its last row, j <= rows_end - 1 + diagonal.
-  const auto chunks = [&](std::int64_t keys) { return (keys + e.block_n - 1) / e.block_n; };
+  // List t of (batch, head) is query tile t % query_tiles() (choose_gather_path's kernel sums the same).
   for (std::size_t list = 0; list < n; ++list) {
-    const std::int64_t tile = static_cast<std::int64_t>(list) % e.query_tiles();
-    const std::int64_t rows_end = std::min<std::int64_t>((tile + 1) * e.block_m, e.seqlen_q);
-    const std::int64_t keys = e.causal ? std::clamp<std::int64_t>(rows_end + e.diagonal, 0, e.seqlen_k) : e.seqlen_k;
-    work.listed += chunks(sizes[list]);
+    work.listed += e.chunks(sizes[list]);
     work.visible += sizes[n + list];
-    work.span += chunks(keys);
+    work.span += e.chunks(e.span_keys(static_cast<std::int64_t>(list) % e.query_tiles()));
   }
   work.known = true;
   return work;
 }
 
 bool gather_pays(const ListedWork& work, double share) {
-  if (!work.known) return false;
-  if (work.visible == 0) return true;  // nothing to visit either way; the gather path launches less
-  if (static_cast<double>(work.visible) <= kSparseTilesShare * static_cast<double>(work.span)) return true;
-  return static_cast<double>(work.listed) <= share * static_cast<double>(work.visible);
+  return work.known && kernels::lists_pay(work.listed, work.visible, work.span, share, kSparseTilesShare);
 }
 
 }  // namespace flash_dmattn

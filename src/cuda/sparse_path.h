@@ -112,6 +112,16 @@ inline double gather_forward_share(std::int64_t seqlen_q, std::int64_t head_dim,
   return sm90a && head_dim > 32 ? kSm90aGatherForwardShare : kGatherForwardShare;
 }
 
+// The largest share at which a deferred preparation's build (list_gate in cuda_backend.cpp) keeps
+// lists that the estimate from the summary bounds (ListEstimate): below the sm90a paired
+// backward's share. The estimate's lower bound on the listed keys counts the whole 64-key blocks
+// that rows see (and a key for some others), so only masks made of whole blocks come near it:
+// sliding windows, whose lists never pay (a share of 1.0, one chunk per visible block) and from
+// W 1024 are estimated at 16/17 (0.94) or more, and block-sparse masks, whose tile path runs full
+// tiles, faster than on the scattered masks that set the crossovers above. A scattered top-k
+// mask has no whole blocks and keeps its lists.
+inline constexpr double kDeferredListsShare = 0.93;
+
 // Where the tile path's visible tiles are this small a share of the span, its fixed costs
 // (a CTA per row or column of tiles, each scanning the summary; issue 26) outweigh the gather's:
 // the gather path then runs whatever the share of the blocks. Measured on an H200 (bench CLI,
@@ -145,7 +155,7 @@ inline std::size_t list_sizes_bytes(const kernels::KeyListExtent& extent) {
 
 // Whether the gather path pays for a pass whose threshold is `share` (the shares above): where
 // the visible tiles are at most kSparseTilesShare of the span, or the listed keys at most `share`
-// of the visible tiles' keys.
+// of the visible tiles' keys (kernels::lists_pay, which a forward choosing on the device applies).
 bool gather_pays(const ListedWork& work, double share);
 
 }  // namespace flash_dmattn

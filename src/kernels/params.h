@@ -94,6 +94,11 @@ struct ForwardParams {
   BroadcastOperand bias;
   TileSummary summary;
   KeyLists lists;  // the gather path's (sm80 kernels); keys == nullptr otherwise
+  // Where the host left the choice between the tile and the gather path to the device (the
+  // forward of a deferred preparation: choose_gather_path in key_lists.h), the flag it set,
+  // nonzero for the gather path. Both paths' kernels are launched, and the CTAs of the one not
+  // chosen return at once (runs_chosen_path in forward_grid.h). nullptr: the host chose.
+  const int* gather_chosen = nullptr;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, kv_heads = 0, head_dim = 0;
   // Packed sequences (attention.h PackedSequences): sequence b's queries start at q's row

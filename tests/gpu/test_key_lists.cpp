@@ -1,7 +1,8 @@
 // The gather path's key-list builder against a CPU build from the same mask: per query tile, the
 // ascending union of the keys its rows keep (causal alignment included) and every row's compacted
 // keep bits, for tiles that keep nothing, lists longer than one 8192-key pass of the build (its
-// bits then cross a pass inside a word), both forward tile shapes, and causal diagonals.
+// bits then cross a pass inside a word), both forward tile shapes, and causal diagonals; the
+// estimate of their sizes, and the device's choice of path from them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -179,12 +180,51 @@ class KeyListBuild : public GpuTest {
     const std::size_t bytes = kernels::key_lists_bytes(le);
     cuda_check(cudaMemsetAsync(space.data(), 0xab, bytes, stream()), "list poison");
     KeyLists gated;
-    cuda_check(kernels::build_key_lists(le, summary, space.data(), stream(), &gated, kernels::ListGate{device_estimate, 0, 0}),
-               "gated build_key_lists");
+    kernels::ListGate gate;  // shares of 0: build only where nothing is full, or nothing visible
+    gate.estimate = device_estimate;
+    cuda_check(kernels::build_key_lists(le, summary, space.data(), stream(), &gated, gate), "gated build_key_lists");
     const auto gated_counts = download<int>(gated.counts, counts.size(), stream());
     constexpr int kPoison = static_cast<int>(0xabababab);
     for (std::size_t list = 0; list < counts.size(); ++list) {
       ASSERT_EQ(gated_counts[list], may ? counts[list] : kPoison) << "list " << list << (may ? " built" : " skipped");
+    }
+    check_choice(le, summary, space, gated, gate, may, listed, visible, span);
+  }
+
+  // The device's choice from the gated lists' sizes (choose_gather_path) against the host's rule
+  // on the same sums, at shares on either side; and a build gated by that choice writing its lists
+  // only where the gather path was chosen.
+  void check_choice(const KeyListExtent& le, const TileSummary& summary, DeviceBuffer& space, const KeyLists& lists,
+                    const kernels::ListGate& gate, bool may, unsigned long long listed, unsigned long long visible,
+                    unsigned long long span) {
+    DeviceBuffer flag_space(sizeof(int));
+    auto* flag = static_cast<int*>(flag_space.data());
+    constexpr double kSparse = 0.05;
+    for (double share : {0.0, 0.5, 1.0}) {
+      cuda_check(cudaMemsetAsync(flag, 0x7f, sizeof(int), stream()), "flag poison");
+      cuda_check(kernels::choose_gather_path(le, lists, gate, share, kSparse, flag, stream()), "choose_gather_path");
+      const int chosen = download<int>(flag, 1, stream())[0];
+      const bool expected = may && kernels::lists_pay(static_cast<std::int64_t>(listed), static_cast<std::int64_t>(visible),
+                                                      static_cast<std::int64_t>(span), share, kSparse);
+      ASSERT_EQ(chosen, expected ? 1 : 0) << "share " << share;
+    }
+    const std::size_t bytes = kernels::key_lists_bytes(le);
+    for (int chosen : {0, 1}) {
+      cuda_check(cudaMemcpyAsync(flag, &chosen, sizeof(int), cudaMemcpyHostToDevice, stream()), "flag");
+      cuda_check(cudaMemsetAsync(space.data(), 0xab, bytes, stream()), "list poison");
+      KeyLists built;
+      kernels::ListGate by_choice;
+      by_choice.gather_chosen = flag;
+      cuda_check(kernels::build_key_lists(le, summary, space.data(), stream(), &built, by_choice), "chosen build");
+      const auto built_counts = download<int>(built.counts, static_cast<std::size_t>(le.lists()), stream());
+      constexpr int kPoison = static_cast<int>(0xabababab);
+      for (std::size_t list = 0; list < built_counts.size(); ++list) {
+        if (chosen) {
+          ASSERT_NE(built_counts[list], kPoison) << "list " << list << " not built where chosen";
+        } else {
+          ASSERT_EQ(built_counts[list], kPoison) << "list " << list << " built where not chosen";
+        }
+      }
     }
   }
 };

@@ -349,6 +349,36 @@ def test_training_backward_takes_the_gather_path_its_forward_prepared(arrival, h
         assert chosen[0] & pending and not chosen[0] & backward_paths, chosen[0]
 
 
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_training_forward_chooses_its_path_on_the_device(head_dim, monkeypatch):
+    """A training forward whose preparation defers the choice of paths (deferred_choice) makes
+    the forward's choice on the device from the lists' sizes (choose_gather_path in key_lists.h),
+    without waiting: a scattered mask's output is bitwise the forced gather path's, a full mask's
+    the forced tile path's. (A grid that fills an H100 or H200 on either path: a forward whose
+    keys would be split across CTAs keeps the tile path.)"""
+    monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 0)
+    monkeypatch.setattr(torch_ops, "_CHOSEN", {})
+    batch, seqlen, heads, kv_heads = 2, 1024, 16, 4
+    case = make_case(batch, seqlen, seqlen, heads, kv_heads, head_dim, device="cuda",
+                     bias_shape=(batch, kv_heads, 1, seqlen))
+    rank = torch.rand(batch, kv_heads, 1, seqlen, generator=torch.Generator().manual_seed(5)).argsort(-1).argsort(-1)
+    scattered = (rank < 24).expand(batch, kv_heads, seqlen, seqlen).contiguous().cuda()
+
+    def training_forward(mask):
+        q = case["q"].detach().clone().requires_grad_()
+        return flash_dmattn_func(q, case["k"], case["v"], attn_mask=mask, attn_bias=case["bias"],
+                                 is_causal=True).detach()
+
+    held = _record_preparations(monkeypatch)
+    for mask, path in ((scattered, "gather"), (torch.ones_like(scattered), "tile")):
+        monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+        del held[:]
+        chosen = training_forward(mask)
+        assert held == ["deferred_choice"]
+        monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
+        assert torch.equal(training_forward(mask), chosen), path
+
+
 def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     """Under FLASH_DMATTN_SPARSE_PATH=auto (the default) a preparation takes the gather path where
     the key lists hold at most a measured share of the causal span (src/cuda/sparse_path.h: 0.5 for

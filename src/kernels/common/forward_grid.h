@@ -29,6 +29,13 @@ __device__ __forceinline__ ForwardCta forward_cta(const ForwardParams& p, int bl
   return {static_cast<int>(shape.x) - 1 - c.x, c.y, c.z / p.num_splits, c.z % p.num_splits};
 }
 
+// Whether a forward kernel of the gather path (`gather`) or of the tile path runs: unless the
+// device chose the other path (ForwardParams::gather_chosen). A kernel launched early
+// (StreamOrder::early) asks after wait_for_previous_grid(), since the choice is made before it.
+__device__ __forceinline__ bool runs_chosen_path(const ForwardParams& p, bool gather) {
+  return p.gather_chosen == nullptr || (*p.gather_chosen != 0) == gather;
+}
+
 // Launches `kernel(args)` over the grid of query tiles of block_m rows, with kSmem bytes of
 // dynamic shared memory, in `order` against the stream's previous kernel (launch.h).
 template <int kSmem, typename KernelArgs>

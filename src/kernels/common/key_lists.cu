@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   const GridCoords c = unfold_block(key_list_grid_shape(e));
   let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) return;
+  if (gate.gather_chosen && *gate.gather_chosen == 0) return;
   const int m_begin = c.x * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
   const std::int64_t list = (std::int64_t(c.z) * e.heads + c.y) * e.query_tiles() + c.x;
   const std::uint32_t* bits = s.bits + c.z * s.bits_batch_stride + c.y * s.bits_head_stride;
@@ -57,8 +58,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   const int words_per_chunk_row = e.block_n / 32;
   // Keys past the last row's causal limit are seen by no row of the tile; the summary did not
   // write their bits.
-  int key_end = e.seqlen_k;
-  if (e.causal) key_end = max(0, min(key_end, m_end - 1 + e.diagonal + 1));
+  const int key_end = e.span_keys(c.x);
   const int words = (key_end + 31) / 32;
   const int rows = m_end - m_begin;
   // Whether some row block of the tile sees a key of 64-key summary block b (its class): the OR
@@ -164,11 +164,9 @@ __global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const Key
   const int tile = static_cast<int>(list % tiles), head = static_cast<int>(list / tiles % e.heads);
   const int batch = static_cast<int>(list / tiles / e.heads);
   const int m_begin = tile * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
-  int key_end = e.seqlen_k, seen_by_all = e.seqlen_k;  // keys past the last row's limit; up to the first row's
-  if (e.causal) {
-    key_end = max(0, min(key_end, m_end + e.diagonal));
-    seen_by_all = max(0, min(seen_by_all, m_begin + e.diagonal + 1));
-  }
+  const int key_end = e.span_keys(tile);  // keys past the last row's limit
+  int seen_by_all = e.seqlen_k;            // keys up to the first row's
+  if (e.causal) seen_by_all = max(0, min(seen_by_all, m_begin + e.diagonal + 1));
   const std::uint8_t* classes = s.classes + batch * s.batch_stride + head * s.head_stride;
   const int row_block_begin = m_begin / kSummaryBlock, row_block_end = (m_end - 1) / kSummaryBlock + 1;
   // Block c of 64 keys: whether some row block sees a key of it (visible), and whether some row
@@ -184,12 +182,17 @@ __global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const Key
     *visible = (any & kTileHasVisible) && c * kSummaryBlock < key_end;
     *full = whole && (c + 1) * kSummaryBlock <= seen_by_all;
   };
-  unsigned long long full_blocks = 0, visible_lo = 0, visible_hi = 0;
+  // A visible block that every row of the tile may see in whole (left of the first row's causal
+  // limit) holds at least one listed key: its visible class comes from a row of the tile where
+  // the tile holds whole row blocks. A sliding window's first block is such a one.
+  const bool whole_row_blocks = e.block_m % kSummaryBlock == 0;
+  unsigned long long full_blocks = 0, partial_keys = 0, visible_lo = 0, visible_hi = 0;
   const int summary_blocks = (key_end + kSummaryBlock - 1) / kSummaryBlock;
   for (int c = lane; c < summary_blocks; c += 32) {
     bool visible, full;
     flags(c, &visible, &full);
     full_blocks += full;
+    partial_keys += visible && !full && whole_row_blocks && (c + 1) * kSummaryBlock <= seen_by_all;
   }
   // A chunk of block_n keys covers summary blocks [first, last]: one or several (block_n >= 64),
   // or part of one (block_n = 32).
@@ -208,11 +211,12 @@ __global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const Key
   }
   for (int offset = 16; offset > 0; offset /= 2) {
     full_blocks += __shfl_xor_sync(0xffffffffu, full_blocks, offset);
+    partial_keys += __shfl_xor_sync(0xffffffffu, partial_keys, offset);
     visible_lo += __shfl_xor_sync(0xffffffffu, visible_lo, offset);
     visible_hi += __shfl_xor_sync(0xffffffffu, visible_hi, offset);
   }
   if (lane == 0) {
-    const unsigned long long listed_keys = full_blocks * kSummaryBlock;
+    const unsigned long long listed_keys = full_blocks * kSummaryBlock + partial_keys;
     atomicAdd(&estimate->listed_at_least, (listed_keys + e.block_n - 1) / e.block_n);
     atomicAdd(&estimate->visible_at_least, visible_lo);
     atomicAdd(&estimate->visible_at_most, visible_hi);
@@ -220,7 +224,45 @@ __global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const Key
   }
 }
 
+constexpr int kChoiceThreads = 512;
+
+// One CTA: its threads sum the lists' sizes as listed_work does, thread 0 applies lists_pay.
+__global__ void __launch_bounds__(kChoiceThreads) choice_kernel(const KeyListExtent e, const int* counts,
+                                                                const ListGate gate, double share, double sparse_share,
+                                                                int* gather_chosen) {
+  // Where the estimate rules the gather path out, the gated build wrote no sizes.
+  if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) {
+    if (threadIdx.x == 0) *gather_chosen = 0;
+    return;
+  }
+  const std::int64_t n = e.lists();
+  long long sums[3] = {0, 0, 0};  // listed chunks, visible blocks, span
+  for (std::int64_t list = threadIdx.x; list < n; list += kChoiceThreads) {
+    sums[0] += e.chunks(counts[list]);
+    sums[1] += counts[n + list];  // KeyLists::blocks follow the counts
+    sums[2] += e.chunks(e.span_keys(list % e.query_tiles()));
+  }
+  __shared__ long long warp_sums[kChoiceThreads / 32][3];
+  for (int k = 0; k < 3; ++k) {
+    for (int offset = 16; offset > 0; offset /= 2) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], offset);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32][k] = sums[k];
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int k = 0; k < 3; ++k) {
+    sums[k] = 0;
+    for (int w = 0; w < kChoiceThreads / 32; ++w) sums[k] += warp_sums[w][k];
+  }
+  *gather_chosen = lists_pay(sums[0], sums[1], sums[2], share, sparse_share) ? 1 : 0;
+}
+
 }  // namespace
+
+cudaError_t choose_gather_path(const KeyListExtent& e, const KeyLists& lists, const ListGate& gate, double share,
+                               double sparse_share, int* gather_chosen, cudaStream_t stream) {
+  return launch_folded<0>(&choice_kernel, GridShape{1, 1, 1}, kChoiceThreads, stream, e, lists.counts, gate, share,
+                          sparse_share, gather_chosen);
+}
 
 cudaError_t estimate_key_lists(const KeyListExtent& e, const TileSummary& summary, ListEstimate* estimate,
                                cudaStream_t stream) {

@@ -27,6 +27,16 @@ struct KeyListExtent {
   __host__ __device__ std::int64_t row_bits_words() const {
     return std::int64_t((seqlen_k + block_n - 1) / block_n) * block_m * (block_n / 32);
   }
+  // Chunks of block_n keys that `keys` keys fill.
+  __host__ __device__ std::int64_t chunks(std::int64_t keys) const { return (keys + block_n - 1) / block_n; }
+  // The keys query tile `tile`'s rows may see: under causal masking up to its last row's limit,
+  // j <= rows_end - 1 + diagonal.
+  __host__ __device__ int span_keys(std::int64_t tile) const {
+    if (!causal) return seqlen_k;
+    const std::int64_t rows_end = (tile + 1) * block_m < seqlen_q ? (tile + 1) * block_m : seqlen_q;
+    const std::int64_t keys = rows_end + diagonal;
+    return static_cast<int>(keys < 0 ? 0 : keys < seqlen_k ? keys : seqlen_k);
+  }
 };
 
 // The largest block_m the build takes.
@@ -45,7 +55,8 @@ KeyLists describe_key_lists(const KeyListExtent& extent, void* memory);
 // Bounds on the work of the lists of an extent, from the summary's classes alone
 // (estimate_key_lists), summed over the lists as listed_work sums their sizes (chunks of block_n
 // keys): the listed keys are at least those of the 64-key blocks some row block of a tile sees
-// in full and every row of it may see under causal masking; the blocks of block_n keys that hold
+// in full and every row of it may see under causal masking, and one key of each other block that
+// every row may see and some row block sees in part; the blocks of block_n keys that hold
 // a listed key are at least those holding such a block and at most those holding a block with a
 // visible key; and the causal span. A summary pass cheap enough to run before every build.
 struct ListEstimate {
@@ -59,10 +70,24 @@ struct ListEstimate {
 struct ListGate {
   const ListEstimate* estimate = nullptr;  // on the device; nullptr: build whatever the estimate
   int share_permille = 0, sparse_permille = 0;
+  // On the device, set by choose_gather_path: where set, a build for that choice's forward writes
+  // nothing where it chose the tile path (0).
+  const int* gather_chosen = nullptr;
 };
 __host__ __device__ inline bool lists_may_pay(const ListEstimate& e, int share_permille, int sparse_permille) {
   const bool sparse = e.visible_at_least * 1000 <= e.span * static_cast<unsigned long long>(sparse_permille);
   return sparse || e.listed_at_least * 1000 <= e.visible_at_most * static_cast<unsigned long long>(share_permille);
+}
+
+// The gather path's rule on the lists' summed sizes (listed_work in sparse_path.h: listed chunks,
+// visible blocks, span): it pays where nothing is visible (the gather path launches less), where
+// the visible blocks are at most sparse_share of the span, or the listed chunks at most `share`
+// of the visible blocks.
+__host__ __device__ inline bool lists_pay(std::int64_t listed, std::int64_t visible, std::int64_t span, double share,
+                                          double sparse_share) {
+  if (visible == 0) return true;
+  if (static_cast<double>(visible) <= sparse_share * static_cast<double>(span)) return true;
+  return static_cast<double>(listed) <= share * static_cast<double>(visible);
 }
 
 // Launches the estimate of the lists of this extent on `stream` into *estimate (device memory),
@@ -78,5 +103,14 @@ cudaError_t estimate_key_lists(const KeyListExtent& extent, const TileSummary& s
 // cannot pay: their sizes are then undefined, and the estimate says so.
 cudaError_t build_key_lists(const KeyListExtent& extent, const TileSummary& summary, void* workspace,
                             cudaStream_t stream, KeyLists* lists, const ListGate& gate = {});
+
+// The path of a forward whose preparation left the choice to the device (a deferred one,
+// MaskPreparation::deferred_choice): one CTA reads the sizes of `lists` (built earlier on the same
+// stream, gated by `gate`'s estimate) and sets *gather_chosen (device memory) to 1 where they pay
+// for the gather path at `share` (lists_pay with `sparse_share`), else 0. The host chooses so
+// from the same sizes where it can read them (choose_mask_paths): this is that choice, made
+// without waiting for them.
+cudaError_t choose_gather_path(const KeyListExtent& extent, const KeyLists& lists, const ListGate& gate, double share,
+                               double sparse_share, int* gather_chosen, cudaStream_t stream);
 
 }  // namespace flash_dmattn::kernels

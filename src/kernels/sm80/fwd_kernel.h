@@ -20,6 +20,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kTile.ctas_per_sm) 
   // kernels, may still be writing what it reads.
   wait_for_previous_grid();
   let_next_grid_start();  // the split-KV combine
+  if (!runs_chosen_path(params, kSource == KeySource::lists)) return;
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
   const ForwardParams p = for_sequence(params, cta.batch);

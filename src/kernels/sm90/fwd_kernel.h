@@ -23,6 +23,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
+  if (!runs_chosen_path(params, false)) return;
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
   const ForwardParams p = for_sequence(params, cta.batch);
@@ -34,6 +35,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_tma_kernel(const __grid_constant__ ForwardTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
+  if (!runs_chosen_path(params.p, false)) return;
   const ForwardCta cta = forward_cta(params.p, Traits::kBlockM);
   // As forward_kernel; TMA reads the sequence's rows from p.q_row0 and p.k_row0.
   const ForwardParams p = for_sequence(params.p, cta.batch);
@@ -77,6 +79,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_gather_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(1024) char smem[];
+  if (!runs_chosen_path(params, true)) return;
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   forward_tile_gathered<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
 }
