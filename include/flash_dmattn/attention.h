@@ -186,7 +186,8 @@ enum class MaskPreparation {
   // makes the forward's choice on the device from them (launching both paths' kernels, the one
   // not chosen returning at once; on CUDA where neither path splits the keys, else the tile
   // path), and a backward takes the tile path. Lists that the summary shows cannot pay (a full
-  // mask's; not a sliding window's, whose partly visible edge blocks keep it from showing that)
+  // mask's; at head dims 65 to 128 a sliding window's of 1024 keys or more, at 4096 or more
+  // queries; not narrower windows', whose partly visible edge blocks keep it from showing that)
   // are skipped on the device, and their choice is the tile path. What the torch front builds in
   // a forward that autograd will differentiate: the copy is queued behind the preparation and has
   // usually landed by the time the backward runs, which then chooses its path without a wait.

@@ -284,6 +284,11 @@ struct PreparedLayout {
   std::size_t lists_offset() const { return align_up(summary_bytes); }
   std::size_t sm90a_lists_offset() const { return lists_offset() + align_up(lists_bytes); }
   std::size_t estimate_offset() const { return sm90a_lists_offset(); }
+  // Where a deferred preparation's sizes begin: the counts and block counts of `lists` (the
+  // forward_list_extent's), then the estimate (prepared_list_sizes).
+  std::size_t sizes_offset(const kernels::KeyListExtent& lists) const {
+    return lists_offset() + kernels::key_list_counts_offset(lists);
+  }
   std::size_t bytes() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes + estimate_bytes); }
 };
 
@@ -658,7 +663,11 @@ kernels::ListGate list_gate(const Problem& p) {
 // kernel are all launched, and each returns at once where the flag names the other path
 // (ForwardParams::gather_chosen). So an unprepared scattered mask's forward takes the gather path
 // where prepare_mask would, without waiting for the GPU; the path not taken costs its launches.
-// Only where both paths run unsplit, as the training calls that defer a choice do.
+// Only where both paths run unsplit: grids of at least a wave of CTAs on either path (a training
+// call of few heads and short sequences may split, and keeps the tile path). On sm_90 the gather
+// plan's workspace holds the sm90a gather forward's own lists (where the prepared lists' tile
+// is not its kernel's), reserved whichever path the device takes: about 96 MiB for B2 Hk4 S8192
+// at D128, growing with batch x mask heads x Sq x Sk.
 struct DeviceChoice {
   ForwardPlan tile, gather;
   // [either plan's workspace (the gather path's lists)][the flag]
@@ -1008,7 +1017,7 @@ class CudaSm80Backend final : public BackendImpl {
     if (!a.mask || p.empty() || !prepared.choice_pending) return {0, 0};
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
     const PreparedLayout layout = prepared_layout(*a.mask, p, prepared);
-    const std::size_t begin = layout.lists_offset() + kernels::key_list_counts_offset(extent);
+    const std::size_t begin = layout.sizes_offset(extent);
     return {begin, layout.estimate_offset() + layout.estimate_bytes - begin};
   }
 
@@ -1025,7 +1034,7 @@ class CudaSm80Backend final : public BackendImpl {
     const PreparedLayout layout = prepared_layout(*a.mask, p, *prepared);
     prepared->choice_pending = false;
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
-    const std::size_t begin = layout.lists_offset() + kernels::key_list_counts_offset(extent);
+    const std::size_t begin = layout.sizes_offset(extent);
     kernels::ListEstimate estimate;
     std::memcpy(&estimate, static_cast<const char*>(sizes) + (layout.estimate_offset() - begin), sizeof(estimate));
     const kernels::ListGate gate = list_gate(p);

@@ -34,6 +34,37 @@ TEST(GatherPays, ChoosesByTheTilesThePathWouldVisit) {
   EXPECT_FALSE(gather_pays(unknown, 1.0));
 }
 
+// listed_work sums the lists' sizes as the device's choice does (choose_gather_path in
+// key_lists.h, from the same KeyListExtent helpers): the listed keys and the span in whole
+// chunks, the span of a query tile up to its last row's causal limit.
+TEST(ListedWork, SumsChunksAndCausalSpans) {
+  kernels::KeyListExtent e;
+  e.batches = 1, e.heads = 2, e.seqlen_q = 150, e.seqlen_k = 300, e.block_m = 64, e.block_n = 128;
+  e.causal = true, e.diagonal = 150;  // bottom-right: row i sees keys j <= i + 150
+  ASSERT_EQ(e.query_tiles(), 3);
+  EXPECT_EQ(e.span_keys(0), 214);  // rows 0..63
+  EXPECT_EQ(e.span_keys(1), 278);
+  EXPECT_EQ(e.span_keys(2), 300);  // rows 128..149: up to 299, all keys
+  EXPECT_EQ(e.chunks(0), 0);
+  EXPECT_EQ(e.chunks(128), 1);
+  EXPECT_EQ(e.chunks(129), 2);
+  kernels::KeyListExtent negative = e;
+  negative.diagonal = -100;  // the first tile's rows see nothing
+  EXPECT_EQ(negative.span_keys(0), 0);
+  EXPECT_EQ(negative.span_keys(2), 50);
+  kernels::KeyListExtent plain = e;
+  plain.causal = false;
+  EXPECT_EQ(plain.span_keys(0), 300);
+  // counts then blocks, for the 6 lists (2 heads x 3 query tiles).
+  const int sizes[] = {0, 1, 129, 200, 300, 5, /* blocks */ 0, 1, 2, 2, 3, 1};
+  const ListedWork work = listed_work(e, sizes);
+  EXPECT_TRUE(work.known);
+  EXPECT_EQ(work.listed, 0 + 1 + 2 + 2 + 3 + 1);
+  EXPECT_EQ(work.visible, 0 + 1 + 2 + 2 + 3 + 1);
+  EXPECT_EQ(work.span, 2 * (2 + 3 + 3));
+  EXPECT_EQ(gather_pays(work, 0.9), kernels::lists_pay(work.listed, work.visible, work.span, 0.9, kSparseTilesShare));
+}
+
 TEST(GatherBackwardShare, PairedHeadsGatherFurther) {
   using Kernel = GatherBackwardKernel;
   EXPECT_EQ(gather_backward_share(128, Kernel::sm80), 0.65);

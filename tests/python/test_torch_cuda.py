@@ -349,14 +349,20 @@ def test_training_backward_takes_the_gather_path_its_forward_prepared(arrival, h
         assert chosen[0] & pending and not chosen[0] & backward_paths, chosen[0]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "sm80"])
 @pytest.mark.parametrize("head_dim", [32, 128])
-def test_training_forward_chooses_its_path_on_the_device(head_dim, monkeypatch):
+def test_training_forward_chooses_its_path_on_the_device(head_dim, kernels, monkeypatch):
     """A training forward whose preparation defers the choice of paths (deferred_choice) makes
     the forward's choice on the device from the lists' sizes (choose_gather_path in key_lists.h),
     without waiting: a scattered mask's output is bitwise the forced gather path's, a full mask's
     the forced tile path's. (A grid that fills an H100 or H200 on either path: a forward whose
-    keys would be split across CTAs keeps the tile path.)"""
+    keys would be split across CTAs keeps the tile path.) The sm80 kernels start early
+    (programmatic dependent launch) and read the flag after waiting for the kernel before them."""
     monkeypatch.setattr(torch_ops, "_HELD_SUMMARY_MASK_BYTES", 0)
+    if kernels == "sm80":
+        monkeypatch.setenv("FLASH_DMATTN_KERNELS", "sm80")
+    else:
+        monkeypatch.delenv("FLASH_DMATTN_KERNELS", raising=False)
     monkeypatch.setattr(torch_ops, "_CHOSEN", {})
     batch, seqlen, heads, kv_heads = 2, 1024, 16, 4
     case = make_case(batch, seqlen, seqlen, heads, kv_heads, head_dim, device="cuda",
