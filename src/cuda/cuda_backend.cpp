@@ -620,12 +620,19 @@ bool sm90a_gather_backward(const Problem& p, int arch) {
          choose_family(p, arch, Pass::backward) == KernelFamily::sm90a;
 }
 
+// The share up to which a forward of p takes the gather path, for the kernel family its gather
+// forward would run (gather_forward_family): the one rule of a preparation's choice
+// (choose_paths), its build's gate (list_gate) and the device's choice (forward_choosing_path).
+double forward_gather_share(const Problem& p) {
+  const bool sm90a = gather_forward_family(p, device_info(p.device.index).arch) == KernelFamily::sm90a;
+  return gather_forward_share(p.seqlen_q, p.head_dim, sm90a);
+}
+
 // A preparation's paths from the work its lists describe: the forward's, and both backward
 // choices, since the calls' bias decides whether their heads pair (gather_backward).
 void choose_paths(const ForwardArgs& a, const Problem& p, const ListedWork& work, PreparedMask* prepared) {
   const int arch = device_info(p.device.index).arch;
-  const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
-  prepared->gather_forward = gather_pays(work, gather_forward_share(p.seqlen_q, p.head_dim, sm90a)) && gather_forward_fits(p);
+  prepared->gather_forward = gather_pays(work, forward_gather_share(p)) && gather_forward_fits(p);
   const bool pairs = gather_backward_pairs(a.mask->shape[1], a.bias ? a.bias->shape[1] : 0, p);
   const GatherBackwardKernel paired = !pairs                            ? GatherBackwardKernel::sm80
                                       : sm90a_gather_backward(p, arch) ? GatherBackwardKernel::sm90a_paired
@@ -643,9 +650,7 @@ bool deferred_preparation(MaskPreparation what) {
 // for masks of whole blocks estimated above kDeferredListsShare. The choices from such a
 // preparation (choose_mask_paths, choose_gather_path) apply the same gate first.
 kernels::ListGate list_gate(const Problem& p) {
-  const int arch = device_info(p.device.index).arch;
-  const bool sm90a = gather_forward_family(p, arch) == KernelFamily::sm90a;
-  double share = gather_forward_share(p.seqlen_q, p.head_dim, sm90a);
+  double share = forward_gather_share(p);
   for (GatherBackwardKernel kernel : {GatherBackwardKernel::sm80, GatherBackwardKernel::sm80_paired,
                                       GatherBackwardKernel::sm90a_paired}) {
     share = std::max(share, gather_backward_share(p.head_dim, kernel));
@@ -676,10 +681,11 @@ struct DeviceChoice {
 };
 
 std::optional<DeviceChoice> device_choice(const ForwardArgs& a, const Problem& p, int arch) {
-  if (!a.mask || a.indices || !a.prepared_mask || !a.prepared_mask->choice_pending || p.empty() ||
-      sparse_path() != SparsePath::automatic || per_sequence_lengths(p) || !gather_forward_fits(p)) {
+  if (!a.prepared_mask || !a.prepared_mask->choice_pending || sparse_path() != SparsePath::automatic) {
     return std::nullopt;
   }
+  // The plans rule out the rest: key indices (the tile plan gathers too), packed sequences, KV
+  // caches and a gather forward that does not fit (the gather plan does not gather), splits.
   DeviceChoice choice{plan_forward(a, p, arch), plan_forward(a, p, arch, ForwardPath::gather)};
   if (choice.tile.gather || !choice.gather.gather || choice.tile.num_splits > 1 || choice.gather.num_splits > 1) {
     return std::nullopt;
@@ -1104,11 +1110,9 @@ class CudaSm80Backend final : public BackendImpl {
     const kernels::KeyListExtent extent = forward_list_extent(*a.mask, p);
     kernels::ListGate gate = list_gate(p);  // the preparation's build's
     gate.estimate = reinterpret_cast<const kernels::ListEstimate*>(memory + layout.estimate_offset());
-    // The share choose_paths gives the forward.
-    const double share = gather_forward_share(p.seqlen_q, p.head_dim, choice.gather.family == KernelFamily::sm90a);
     const cudaError_t e =
         kernels::choose_gather_path(extent, kernels::describe_key_lists(extent, memory + layout.lists_offset()), gate,
-                                    share, kSparseTilesShare, chosen, stream);
+                                    forward_gather_share(p), kSparseTilesShare, chosen, stream);
     if (e != cudaSuccess) return cuda_failure("the path choice launch", e);
     const Status gathered = run_forward(a, p, choice.gather, workspace, stream, chosen);
     if (!gathered.ok()) return gathered;
