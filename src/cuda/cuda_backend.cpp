@@ -277,10 +277,24 @@ bool same_tile(const kernels::KeyListExtent& a, const kernels::KeyListExtent& b)
   return a.block_m == b.block_m && a.block_n == b.block_n;
 }
 
+// The chunks of the sm90a gather forward's lists where they differ from forward_list_extent's
+// in their width alone (at D128 64 x 128 for paired heads beside 64 x 64): a deferred
+// preparation's build then writes its lists in both (kernels::WiderChunks), for the forward that
+// chooses on the device. Else 0.
+int wider_chunks(const TensorView& mask, const Problem& p) {
+  if (gather_forward_family(p, device_info(p.device.index).arch) != KernelFamily::sm90a) return 0;
+  const kernels::KeyListExtent held = forward_list_extent(mask, p), sm90a = sm90a_forward_list_extent(mask, p);
+  const bool wider = held.block_m == sm90a.block_m && sm90a.block_n > held.block_n &&
+                     sm90a.block_n % held.block_n == 0 && 32 % (sm90a.block_n / 32) == 0;
+  return wider ? sm90a.block_n : 0;
+}
+
 // A prepared mask's memory: [tile summary][key lists, where it holds them][the sm90a gather
-// forward's key lists where it holds them, else the lists' estimate where its choice is deferred].
+// forward's key lists where it holds them, else the lists' estimate where its choice is deferred]
+// [where it is deferred, the row bits and block counts of its lists in wider chunks (wider_chunks)].
 struct PreparedLayout {
-  std::size_t summary_bytes = 0, lists_bytes = 0, sm90a_lists_bytes = 0, estimate_bytes = 0;
+  std::size_t summary_bytes = 0, lists_bytes = 0, sm90a_lists_bytes = 0, estimate_bytes = 0, wider_bytes = 0;
+  int wider_block_n = 0;
   std::size_t lists_offset() const { return align_up(summary_bytes); }
   std::size_t sm90a_lists_offset() const { return lists_offset() + align_up(lists_bytes); }
   std::size_t estimate_offset() const { return sm90a_lists_offset(); }
@@ -289,7 +303,8 @@ struct PreparedLayout {
   std::size_t sizes_offset(const kernels::KeyListExtent& lists) const {
     return lists_offset() + kernels::key_list_counts_offset(lists);
   }
-  std::size_t bytes() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes + estimate_bytes); }
+  std::size_t wider_offset() const { return sm90a_lists_offset() + align_up(sm90a_lists_bytes + estimate_bytes); }
+  std::size_t bytes() const { return wider_offset() + align_up(wider_bytes); }
 };
 
 PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool lists, bool sm90a_lists,
@@ -298,7 +313,13 @@ PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, bool li
   layout.summary_bytes = kernels::tile_summary_bytes(mask_extent(mask, p));
   if (lists) layout.lists_bytes = kernels::key_lists_bytes(forward_list_extent(mask, p));
   if (lists && sm90a_lists) layout.sm90a_lists_bytes = kernels::key_lists_bytes(sm90a_forward_list_extent(mask, p));
-  if (lists && deferred && !sm90a_lists) layout.estimate_bytes = sizeof(kernels::ListEstimate);
+  if (lists && deferred && !sm90a_lists) {
+    layout.estimate_bytes = sizeof(kernels::ListEstimate);
+    layout.wider_block_n = wider_chunks(mask, p);
+    if (layout.wider_block_n) {
+      layout.wider_bytes = kernels::wider_lists_bytes(forward_list_extent(mask, p), layout.wider_block_n);
+    }
+  }
   return layout;
 }
 
@@ -306,22 +327,27 @@ PreparedLayout prepared_layout(const TensorView& mask, const Problem& p, const P
   return prepared_layout(mask, p, prepared.lists(), prepared.sm90a_forward_lists, prepared.choice_pending);
 }
 
-// Where a call's lists lie in its prepared mask, if it holds lists of their tile; else nullptr.
-const char* prepared_lists(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
-                           const Problem& p) {
-  if (!prepared || !prepared->lists()) return nullptr;
-  const char* memory = static_cast<const char*>(prepared->memory.data);
+// A call's lists in its prepared mask, if it holds lists of their tile.
+std::optional<kernels::KeyLists> prepared_lists(const PreparedMask* prepared, const kernels::KeyListExtent& wanted,
+                                                const TensorView& mask, const Problem& p) {
+  if (!prepared || !prepared->lists()) return std::nullopt;
+  char* memory = static_cast<char*>(prepared->memory.data);
   const PreparedLayout layout = prepared_layout(mask, p, *prepared);
-  if (same_tile(forward_list_extent(mask, p), wanted)) return memory + layout.lists_offset();
+  const kernels::KeyListExtent held = forward_list_extent(mask, p);
+  if (same_tile(held, wanted)) return kernels::describe_key_lists(wanted, memory + layout.lists_offset());
   if (prepared->sm90a_forward_lists && same_tile(sm90a_forward_list_extent(mask, p), wanted)) {
-    return memory + layout.sm90a_lists_offset();
+    return kernels::describe_key_lists(wanted, memory + layout.sm90a_lists_offset());
   }
-  return nullptr;
+  if (layout.wider_bytes && wanted.block_m == held.block_m && wanted.block_n == layout.wider_block_n) {
+    return kernels::describe_wider_key_lists(held, memory + layout.lists_offset(), wanted.block_n,
+                                             memory + layout.wider_offset());
+  }
+  return std::nullopt;
 }
 
 bool lists_prepared(const PreparedMask* prepared, const kernels::KeyListExtent& wanted, const TensorView& mask,
                     const Problem& p) {
-  return prepared_lists(prepared, wanted, mask, p) != nullptr;
+  return prepared_lists(prepared, wanted, mask, p).has_value();
 }
 
 // Packed sequences and KV caches have no gather path yet: their lists would follow each
@@ -351,8 +377,8 @@ cudaError_t mask_summary(const TensorView& mask, const Problem& p, const Prepare
 cudaError_t key_lists(const kernels::KeyListExtent& extent, const TensorView& mask, const Problem& p,
                       const PreparedMask* prepared, const kernels::TileSummary& summary, void* workspace,
                       cudaStream_t stream, kernels::KeyLists* lists, const kernels::ListGate& gate = {}) {
-  if (const char* held = prepared_lists(prepared, extent, mask, p)) {
-    *lists = kernels::describe_key_lists(extent, const_cast<char*>(held));
+  if (const auto held = prepared_lists(prepared, extent, mask, p)) {
+    *lists = *held;
     return cudaSuccess;
   }
   return kernels::build_key_lists(extent, summary, workspace, stream, lists, gate);
@@ -669,10 +695,10 @@ kernels::ListGate list_gate(const Problem& p) {
 // (ForwardParams::gather_chosen). So an unprepared scattered mask's forward takes the gather path
 // where prepare_mask would, without waiting for the GPU; the path not taken costs its launches.
 // Only where both paths run unsplit: grids of at least a wave of CTAs on either path (a training
-// call of few heads and short sequences may split, and keeps the tile path). On sm_90 the gather
-// plan's workspace holds the sm90a gather forward's own lists (where the prepared lists' tile
-// is not its kernel's), reserved whichever path the device takes: about 96 MiB for B2 Hk4 S8192
-// at D128, growing with batch x mask heads x Sq x Sk.
+// call of few heads and short sequences may split, and keeps the tile path). The sm90a gather
+// forward reads the preparation's lists in its wider chunks (wider_chunks) where its heads pair;
+// else its plan's workspace holds lists of its own tile, reserved whichever path the device
+// takes (about 96 MiB for B2 Hk4 S8192 at D128, growing with batch x mask heads x Sq x Sk).
 struct DeviceChoice {
   ForwardPlan tile, gather;
   // [either plan's workspace (the gather path's lists)][the flag]
@@ -993,7 +1019,12 @@ class CudaSm80Backend final : public BackendImpl {
       kernels::ListGate gate = list_gate(p);
       if (what == MaskPreparation::deferred_choice_with_lists) gate.estimate = nullptr;
       else gate.estimate = estimate;
-      e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists, gate);
+      kernels::WiderChunks wider;  // for a forward choosing the sm90a gather kernel (prepared_lists)
+      if (layout.wider_bytes) {
+        wider.block_n = layout.wider_block_n;
+        wider.memory = memory + layout.wider_offset();
+      }
+      e = kernels::build_key_lists(extent, summary, memory + layout.lists_offset(), stream, &lists, gate, wider);
       if (e != cudaSuccess) return cuda_failure("the key-list launch", e);
       return Status::success();
     }

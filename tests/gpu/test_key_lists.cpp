@@ -99,10 +99,42 @@ class KeyListBuild : public GpuTest {
     const std::int64_t n = le.lists();
     const auto counts = download<int>(lists.counts, static_cast<std::size_t>(n), stream());
     const auto blocks = download<int>(lists.blocks, static_cast<std::size_t>(n), stream());
+    verify(c, le, lists, at);
+
+    // The same build writing its lists in chunks of twice the keys too (kernels::WiderChunks).
+    const int wider_n = 2 * c.block_n;
+    if (32 % (wider_n / 32) == 0) {
+      SCOPED_TRACE("in chunks of " + std::to_string(wider_n) + " keys too");
+      DeviceBuffer wider_space(kernels::wider_lists_bytes(le, wider_n));
+      cuda_check(cudaMemsetAsync(list_space.data(), 0xab, list_bytes, stream()), "list poison");
+      cuda_check(cudaMemsetAsync(wider_space.data(), 0xab, kernels::wider_lists_bytes(le, wider_n), stream()),
+                 "wider poison");
+      KeyLists again;
+      cuda_check(kernels::build_key_lists(le, summary, list_space.data(), stream(), &again, {},
+                                          kernels::WiderChunks{wider_n, wider_space.data()}),
+                 "build_key_lists with wider chunks");
+      verify(c, le, again, at);
+      KeyListExtent wider_extent = le;
+      wider_extent.block_n = wider_n;
+      ListCase wider_case = c;
+      wider_case.block_n = wider_n;
+      verify(wider_case, wider_extent,
+             kernels::describe_wider_key_lists(le, list_space.data(), wider_n, wider_space.data()), at);
+    }
+    check_estimate(c, le, summary, list_space, counts, blocks);
+  }
+
+  // The lists against a CPU build from the mask (`at`, the host copy): per list its count, its
+  // keys, its blocks of block_n keys that hold a listed key and every row's compacted keep bits.
+  template <typename At>
+  void verify(const ListCase& c, const KeyListExtent& le, const KeyLists& lists, At& at) {
+    const std::int64_t n = le.lists();
+    const std::int64_t bhs = c.batches * c.heads;
+    const auto counts = download<int>(lists.counts, static_cast<std::size_t>(n), stream());
+    const auto blocks = download<int>(lists.blocks, static_cast<std::size_t>(n), stream());
     const auto keys = download<int>(lists.keys, static_cast<std::size_t>(n * lists.capacity), stream());
     const auto row_bits = download<std::uint32_t>(lists.row_bits, static_cast<std::size_t>(n * lists.row_bits_stride),
                                                   stream());
-
     const int words = c.block_n / 32;
     int failures = 0;
     for (std::int64_t bh = 0; bh < bhs && failures < 10; ++bh) {
@@ -148,7 +180,6 @@ class KeyListBuild : public GpuTest {
         }
       }
     }
-    check_estimate(c, le, summary, list_space, counts, blocks);
   }
 
   // The estimate's bounds around the lists' own sums (as listed_work sums them), and a build gated

@@ -32,6 +32,12 @@ struct ListOutput {
   std::uint32_t* row_bits;
   int* counts;
   int* blocks;
+  // The same lists' row bits and block counts in chunks of wider_words words a row (WiderChunks),
+  // wider_row_bits_stride words a list; nullptr: none.
+  std::uint32_t* wider_row_bits;
+  int* wider_blocks;
+  int wider_words;
+  std::int64_t wider_row_bits_stride;
 };
 
 // Of a warp's 32 consecutive words (the first a multiple of 32), the blocks of `words_per_block`
@@ -55,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   const std::uint32_t* bits = s.bits + c.z * s.bits_batch_stride + c.y * s.bits_head_stride;
   int* keys = out.keys + list * e.capacity();
   std::uint32_t* row_bits = out.row_bits + list * e.row_bits_words();
+  std::uint32_t* wider_row_bits = out.wider_row_bits ? out.wider_row_bits + list * out.wider_row_bits_stride : nullptr;
   const int words_per_chunk_row = e.block_n / 32;
   // Keys past the last row's causal limit are seen by no row of the tile; the summary did not
   // write their bits.
@@ -81,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   };
 
   __shared__ int warp_totals[kWarps];
-  __shared__ int blocks;
+  __shared__ int blocks, wider_blocks;
   // A pass's compacted bits (at most 8192 positions, starting anywhere in a word) of a group of
   // kGroupRows rows, two groups alternating: one barrier per group separates filling from storing,
   // and the rows of a group load their words independently of each other.
@@ -92,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   for (int t = threadIdx.x; t < 2 * kGroupRows * (kThreads + 1); t += kThreads) (&assembly[0][0][0])[t] = 0;
   for (int r = threadIdx.x; r < kMaxListRows; r += kThreads) carry[0][r] = 0;
   int carry_in = 0;
-  if (threadIdx.x == 0) blocks = 0;
+  if (threadIdx.x == 0) blocks = wider_blocks = 0;
   __syncthreads();
 
   int total = 0;
@@ -107,6 +114,10 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
     // A pass's 256 words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
     const int warp_blocks = nonempty_blocks(word, words_per_chunk_row);
     if (threadIdx.x % 32 == 0 && warp_blocks > 0) atomicAdd(&blocks, warp_blocks);
+    if (out.wider_row_bits) {
+      const int wider = nonempty_blocks(word, out.wider_words);
+      if (threadIdx.x % 32 == 0 && wider > 0) atomicAdd(&wider_blocks, wider);
+    }
     const CtaPrefix prefix = cta_exclusive_sum<kWarps>(n, warp_totals);
     const int pass_total = prefix.total;
     const int first = total + prefix.before;  // this word's first position in the list
@@ -138,6 +149,10 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
           const int q = first_word + u;  // the word's place in the row's compacted bits
           row_bits[(std::int64_t(q / words_per_chunk_row) * e.block_m + r) * words_per_chunk_row +
                    q % words_per_chunk_row] = value;
+          if (wider_row_bits) {  // the same bit stream, grouped into wider chunks
+            wider_row_bits[(std::int64_t(q / out.wider_words) * e.block_m + r) * out.wider_words +
+                           q % out.wider_words] = value;
+          }
         }
       }
       carry_in ^= 1;
@@ -148,6 +163,7 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   if (threadIdx.x == 0) {
     out.counts[list] = total;
     out.blocks[list] = blocks;  // every pass ended with a barrier after its additions
+    if (out.wider_row_bits) out.wider_blocks[list] = wider_blocks;
   }
 }
 
@@ -299,8 +315,26 @@ KeyLists describe_key_lists(const KeyListExtent& e, void* memory) {
   return lists;
 }
 
+std::size_t wider_lists_bytes(const KeyListExtent& e, int block_n) {
+  KeyListExtent wider = e;
+  wider.block_n = block_n;
+  return static_cast<std::size_t>(e.lists()) *
+         (static_cast<std::size_t>(wider.row_bits_words()) * sizeof(std::uint32_t) + sizeof(int));
+}
+
+KeyLists describe_wider_key_lists(const KeyListExtent& e, void* memory, int block_n, void* wider_memory) {
+  KeyListExtent wider = e;
+  wider.block_n = block_n;
+  KeyLists lists = describe_key_lists(e, memory);  // the keys and counts
+  lists.row_bits = static_cast<const std::uint32_t*>(wider_memory);
+  lists.blocks = reinterpret_cast<const int*>(lists.row_bits + e.lists() * wider.row_bits_words());
+  lists.row_bits_stride = wider.row_bits_words();
+  lists.block_n = block_n;
+  return lists;
+}
+
 cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, void* workspace, cudaStream_t stream,
-                            KeyLists* lists, const ListGate& gate) {
+                            KeyLists* lists, const ListGate& gate, const WiderChunks& wider) {
   // A mask that broadcasts over queries or keys has no per-row choice of keys to list. (With no
   // keys at all, the summary's rows are 0 words long and their stride 0: every list is empty.)
   if ((summary.bits_row_stride == 0 && e.seqlen_q > 1 && e.seqlen_k > 0) ||
@@ -308,6 +342,7 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
       32 % (e.block_n / 32) != 0) {
     return cudaErrorInvalidValue;
   }
+  if (wider.memory && (wider.block_n % e.block_n != 0 || 32 % (wider.block_n / 32) != 0)) return cudaErrorInvalidValue;
   *lists = describe_key_lists(e, workspace);
   const std::int64_t n = e.lists();
   ListOutput out;
@@ -315,6 +350,17 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   out.row_bits = reinterpret_cast<std::uint32_t*>(out.keys + n * e.capacity());
   out.counts = reinterpret_cast<int*>(out.row_bits + n * e.row_bits_words());
   out.blocks = out.counts + n;
+  out.wider_row_bits = nullptr;
+  out.wider_blocks = nullptr;
+  out.wider_words = 0;
+  out.wider_row_bits_stride = 0;
+  if (wider.memory) {
+    const KeyLists w = describe_wider_key_lists(e, workspace, wider.block_n, wider.memory);
+    out.wider_row_bits = const_cast<std::uint32_t*>(w.row_bits);
+    out.wider_blocks = const_cast<int*>(w.blocks);
+    out.wider_words = wider.block_n / 32;
+    out.wider_row_bits_stride = w.row_bits_stride;
+  }
   if (n == 0) return cudaSuccess;
   return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out, gate);
 }

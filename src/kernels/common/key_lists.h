@@ -95,14 +95,30 @@ __host__ __device__ inline bool lists_pay(std::int64_t listed, std::int64_t visi
 cudaError_t estimate_key_lists(const KeyListExtent& extent, const TileSummary& summary, ListEstimate* estimate,
                                cudaStream_t stream);
 
+// The same lists in chunks of wider keys, for a kernel whose tile has the same rows and wider
+// key chunks (the sm90a gather forward's 64 x 128 lists of paired heads beside the D128
+// backward's 64 x 64): block_n a multiple of the build's and 32 times a divisor of 32, and
+// wider_lists_bytes(extent, block_n) bytes of memory for their own row bits and block counts; they
+// share the build's keys and counts. One build writes both, reading the mask bits once.
+struct WiderChunks {
+  int block_n = 0;
+  void* memory = nullptr;  // nullptr: none
+};
+std::size_t wider_lists_bytes(const KeyListExtent& extent, int block_n);
+// The wider lists built beside the lists of `extent` in `memory` (describe_key_lists), their own
+// part in `wider_memory`.
+KeyLists describe_wider_key_lists(const KeyListExtent& extent, void* memory, int block_n, void* wider_memory);
+
 // Launches the build on `stream` into `workspace`, from the bits of a summary built earlier on the
 // same stream, and describes the lists in *lists. The mask must have a key per column and a row
 // per query (cudaErrorInvalidValue otherwise), block_m <= kMaxListRows and block_n 32 times a
 // divisor of 32. Each list reads its rows' words twice: once to OR them, once to compact each row's
 // bits. With a gate, the build (on the device) writes nothing where its estimate says the lists
-// cannot pay: their sizes are then undefined, and the estimate says so.
+// cannot pay: their sizes are then undefined, and the estimate says so. With `wider`, it also
+// writes the lists in wider chunks (above).
 cudaError_t build_key_lists(const KeyListExtent& extent, const TileSummary& summary, void* workspace,
-                            cudaStream_t stream, KeyLists* lists, const ListGate& gate = {});
+                            cudaStream_t stream, KeyLists* lists, const ListGate& gate = {},
+                            const WiderChunks& wider = {});
 
 // The path of a forward whose preparation left the choice to the device (a deferred one,
 // MaskPreparation::deferred_choice): one CTA reads the sizes of `lists` (built earlier on the same
