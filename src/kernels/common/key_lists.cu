@@ -2,8 +2,9 @@
 // one word over the tile's rows, a CTA-wide prefix sum of the words' popcounts places every set
 // bit's key in the list, and then, 16 rows at a time, each thread compacts its word of each row
 // against the OR and the CTA assembles the rows' compacted bits in shared memory before storing
-// them. Measured on an H100 (seed scatter workload, 256 lists of 64 rows x 16k keys): one row at a
-// time, a barrier each, took 106 us.
+// them. The seed's scatter workload (256 lists of 64 rows x 16k keys) took 106 us on an H100 one
+// row at a time, a barrier each; 43 us on an H200 with 16 rows' loads issued together and the
+// Compressor (docs/architecture.md, "The list build at latency's end").
 #include "kernels/common/key_lists.h"
 
 #include "kernels/common/cta_prefix_sum.h"
@@ -18,14 +19,36 @@ constexpr int kGroupRows = 16;
 
 __host__ __device__ GridShape key_list_grid_shape(const KeyListExtent& e) { return {e.query_tiles(), e.heads, e.batches}; }
 
-// The bits of `v` at the set bits of `u`, packed from bit 0 in ascending order (v is a subset of u).
-__device__ __forceinline__ std::uint32_t compact_bits(std::uint32_t v, std::uint32_t u) {
-  if (u == ~0u || v == 0) return v;
-  std::uint32_t out = 0;
-  int k = 0;
-  for (std::uint32_t m = u; m; m &= m - 1u, ++k) out |= ((v >> (__ffs(m) - 1)) & 1u) << k;
-  return out;
-}
+// Packs the bits of a word at the set bits of `mask` from bit 0 in ascending order (Hacker's
+// Delight's compress, 7-4): its five shift masks depend on `mask` alone, so a word of the union
+// computes them once and compacts each of its rows' words in 20 uniform operations, where a loop
+// over the set bits diverges across the warp with the lanes' bit counts.
+struct Compressor {
+  std::uint32_t moves[5];
+  __device__ __forceinline__ explicit Compressor(std::uint32_t mask) {
+    std::uint32_t left = ~mask << 1;  // where a bit has zeros of the mask to its right
+#pragma unroll
+    for (int i = 0; i < 5; ++i) {
+      std::uint32_t parity = left ^ (left << 1);
+      parity ^= parity << 2;
+      parity ^= parity << 4;
+      parity ^= parity << 8;
+      parity ^= parity << 16;
+      moves[i] = parity & mask;
+      mask = (mask ^ moves[i]) | (moves[i] >> (1 << i));
+      left &= ~parity;
+    }
+  }
+  // `v` must be a subset of the mask.
+  __device__ __forceinline__ std::uint32_t operator()(std::uint32_t v) const {
+#pragma unroll
+    for (int i = 0; i < 5; ++i) {
+      const std::uint32_t t = v & moves[i];
+      v = (v ^ t) | (t >> (1 << i));
+    }
+    return v;
+  }
+};
 
 struct ListOutput {
   int* keys;
@@ -50,7 +73,7 @@ __device__ __forceinline__ int nonempty_blocks(std::uint32_t word, int words_per
   return __popc(any & firsts);
 }
 
-__global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent e, const TileSummary s,
+__global__ void __launch_bounds__(kThreads, 4) key_lists_kernel(const KeyListExtent e, const TileSummary s,
                                                              const ListOutput out, const ListGate gate) {
   const GridCoords c = unfold_block(key_list_grid_shape(e));
   let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
@@ -70,22 +93,39 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
   const int rows = m_end - m_begin;
   // Whether some row block of the tile sees a key of 64-key summary block b (its class): the OR
   // skips the words of the blocks that no row sees, most of a window's or a causal corner's.
-  const std::uint8_t* classes = s.classes + c.z * s.batch_stride + c.y * s.head_stride;
+  const std::uint8_t* classes = s.classes ? s.classes + c.z * s.batch_stride + c.y * s.head_stride : nullptr;
   const int row_block_begin = m_begin / kSummaryBlock, row_block_end = (m_end - 1) / kSummaryBlock + 1;
   auto block_seen = [&](int b) {
+    if (!s.classes) return true;  // bits without classes: a key-indices build (index_bits.cu)
     std::uint8_t any = 0;
     for (int rb = row_block_begin; rb < row_block_end; ++rb) any |= classes[rb * s.row_stride + b * s.col_stride];
     return (any & kTileHasVisible) != 0;
   };
-  // Word w of row r, without the bits past the row's own causal limit (they may be unwritten).
-  auto row_word = [&](int r, int w) -> std::uint32_t {
-    const int i = m_begin + r;
-    const int limit = e.causal ? min(key_end, i + e.diagonal + 1) : key_end;
-    const int valid = limit - w * 32;
-    if (w >= words || valid <= 0) return 0;
-    const std::uint32_t v = bits[std::int64_t(i) * s.bits_row_stride + w];
-    return valid < 32 ? v & ((1u << valid) - 1u) : v;
+  // Word w (< words) of rows r0 .. r0 + kGroupRows - 1 (0 past the tile's rows), without the
+  // bits past each row's own causal limit (they may be unwritten). The loads issue together:
+  // where lists are long their CTAs are few, and each waits on its own loads.
+  const int first_limit = e.causal ? min(key_end, m_begin + e.diagonal + 1) : key_end;
+  auto load_group = [&](int r0, int w, std::uint32_t(&v)[kGroupRows]) {
+    const std::uint32_t* column = bits + std::int64_t(m_begin + r0) * s.bits_row_stride + w;
+#pragma unroll
+    for (int g = 0; g < kGroupRows; ++g) v[g] = r0 + g < rows ? column[g * s.bits_row_stride] : 0u;
+    if ((w + 1) * 32 <= first_limit) return;  // every row of the tile may see all of the word
+#pragma unroll
+    for (int g = 0; g < kGroupRows; ++g) {
+      const int limit = e.causal ? min(key_end, m_begin + r0 + g + e.diagonal + 1) : key_end;
+      const int valid = limit - w * 32;
+      v[g] = valid <= 0 ? 0u : valid < 32 ? v[g] & ((1u << valid) - 1u) : v[g];
+    }
   };
+
+  // The row bits are stored chunk by chunk, a chunk's rows one after another: its words of the
+  // rows of a group are contiguous, and consecutive threads store consecutive words. With wider
+  // chunks the stores walk the wider layout and write each word to both.
+  const int narrow_shift = __ffs(words_per_chunk_row) - 1;  // words a chunk row: a power of two
+  const int store_words = wider_row_bits ? out.wider_words : words_per_chunk_row;
+  const int store_shift = __ffs(store_words) - 1;
+  constexpr int kGroupShift = 4;
+  static_assert(kGroupRows == 1 << kGroupShift);
 
   __shared__ int warp_totals[kWarps];
   __shared__ int blocks, wider_blocks;
@@ -107,8 +147,12 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
     const int w = base + threadIdx.x;
     std::uint32_t word = 0;
     if (w < words && block_seen(w * 32 / kSummaryBlock)) {
-#pragma unroll 8
-      for (int r = 0; r < rows; ++r) word |= row_word(r, w);
+      for (int r0 = 0; r0 < rows; r0 += kGroupRows) {
+        std::uint32_t v[kGroupRows];
+        load_group(r0, w, v);
+#pragma unroll
+        for (int g = 0; g < kGroupRows; ++g) word |= v[g];
+      }
     }
     const int n = __popc(word);
     // A pass's 256 words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
@@ -127,31 +171,41 @@ __global__ void __launch_bounds__(kThreads) key_lists_kernel(const KeyListExtent
     if (pass_total > 0) {
       const int first_word = total / 32, stored_words = (total + pass_total - 1) / 32 - first_word + 1;
       const int offset = first - first_word * 32, shift = offset % 32;
+      const Compressor compress(word);
+      // The stored words as (chunk, row of the group, word of the chunk row) from the chunk
+      // holding the first one, rows padded to kGroupRows.
+      const int first_chunk = first_word >> store_shift;
+      const int slots = (((first_word + stored_words - 1) >> store_shift) - first_chunk + 1)
+                        << (kGroupShift + store_shift);
       for (int r0 = 0, group = 0; r0 < rows; r0 += kGroupRows, group ^= 1) {
         const int group_rows = min(kGroupRows, rows - r0);
         auto& buffer = assembly[group];
         if (n > 0) {
-#pragma unroll 4
-          for (int g = 0; g < group_rows; ++g) {
-            const std::uint32_t compacted = compact_bits(row_word(r0 + g, w), word);
+          std::uint32_t v[kGroupRows];
+          load_group(r0, w, v);
+#pragma unroll
+          for (int g = 0; g < kGroupRows; ++g) {
+            const std::uint32_t compacted = compress(v[g]);
             if (compacted == 0) continue;
             atomicOr(&buffer[g][offset / 32], compacted << shift);
             if (shift + n > 32) atomicOr(&buffer[g][offset / 32 + 1], compacted >> (32 - shift));
           }
         }
         __syncthreads();
-        for (int t = threadIdx.x; t < group_rows * stored_words; t += kThreads) {
-          const int g = t / stored_words, u = t % stored_words, r = r0 + g;
+        for (int t = threadIdx.x; t < slots; t += kThreads) {
+          const int g = (t >> store_shift) & (kGroupRows - 1), r = r0 + g;
+          const int q = ((first_chunk + (t >> (kGroupShift + store_shift))) << store_shift) + (t & (store_words - 1));
+          const int u = q - first_word;  // the word's place in this pass's compacted bits
+          if (g >= group_rows || u < 0 || u >= stored_words) continue;
           std::uint32_t value = buffer[g][u];
           buffer[g][u] = 0;
           if (u == 0) value |= carry[carry_in][r];
           if (u == stored_words - 1) carry[carry_in ^ 1][r] = (total + pass_total) % 32 ? value : 0;
-          const int q = first_word + u;  // the word's place in the row's compacted bits
-          row_bits[(std::int64_t(q / words_per_chunk_row) * e.block_m + r) * words_per_chunk_row +
-                   q % words_per_chunk_row] = value;
+          row_bits[(std::int64_t(q >> narrow_shift) * e.block_m + r) * words_per_chunk_row +
+                   (q & (words_per_chunk_row - 1))] = value;
           if (wider_row_bits) {  // the same bit stream, grouped into wider chunks
-            wider_row_bits[(std::int64_t(q / out.wider_words) * e.block_m + r) * out.wider_words +
-                           q % out.wider_words] = value;
+            wider_row_bits[(std::int64_t(q >> store_shift) * e.block_m + r) * store_words + (q & (store_words - 1))] =
+                value;
           }
         }
       }
