@@ -1,4 +1,4 @@
-// The key-list build: one CTA per list. In passes of 256 mask words (8192 keys), each thread ORs
+// The key-list build: one CTA per list. In passes of a word a thread (256 or 512), each thread ORs
 // one word over the tile's rows, a CTA-wide prefix sum of the words' popcounts places every set
 // bit's key in the list, and then, 16 rows at a time, each thread compacts its word of each row
 // against the OR and the CTA assembles the rows' compacted bits in shared memory before storing
@@ -13,9 +13,12 @@
 namespace flash_dmattn::kernels {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// Threads of a list's CTA, a word of the mask's rows each per pass: 256, or 512 where the longest
+// list passes 8192 keys (one pass where two would run one after the other: where lists are long,
+// their CTAs are few, and the build waits on the longest).
+constexpr int kThreads = 256, kLongListThreads = 512;
 constexpr int kGroupRows = 16;
+constexpr int assembly_bytes(int threads) { return 2 * kGroupRows * (threads + 1) * 4; }
 
 __host__ __device__ GridShape key_list_grid_shape(const KeyListExtent& e) { return {e.query_tiles(), e.heads, e.batches}; }
 
@@ -73,8 +76,14 @@ __device__ __forceinline__ int nonempty_blocks(std::uint32_t word, int words_per
   return __popc(any & firsts);
 }
 
-__global__ void __launch_bounds__(kThreads, 4) key_lists_kernel(const KeyListExtent e, const TileSummary s,
-                                                             const ListOutput out, const ListGate gate) {
+// 64 registers a thread, 1024 threads a SM (at 256 a CTA, 80 registers, the compiler's own choice,
+// fit 3 CTAs).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads) key_lists_kernel(const KeyListExtent e,
+                                                                             const TileSummary s,
+                                                                             const ListOutput out,
+                                                                             const ListGate gate) {
+  constexpr int kWarps = kThreads / 32;
   const GridCoords c = unfold_block(key_list_grid_shape(e));
   let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
   if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) return;
@@ -129,10 +138,11 @@ __global__ void __launch_bounds__(kThreads, 4) key_lists_kernel(const KeyListExt
 
   __shared__ int warp_totals[kWarps];
   __shared__ int blocks, wider_blocks;
-  // A pass's compacted bits (at most 8192 positions, starting anywhere in a word) of a group of
-  // kGroupRows rows, two groups alternating: one barrier per group separates filling from storing,
-  // and the rows of a group load their words independently of each other.
-  __shared__ std::uint32_t assembly[2][kGroupRows][kThreads + 1];
+  // A pass's compacted bits (at most 32 x kThreads positions, starting anywhere in a word) of a
+  // group of kGroupRows rows, two groups alternating: one barrier per group separates filling
+  // from storing, and the rows of a group load their words independently of each other.
+  extern __shared__ std::uint32_t dynamic_smem[];
+  auto* assembly = reinterpret_cast<std::uint32_t(*)[kGroupRows][kThreads + 1]>(dynamic_smem);
   // Per row, the stored value of the word a pass ended inside, which the next pass completes;
   // read from one array and written to the other within a pass.
   __shared__ std::uint32_t carry[2][kMaxListRows];
@@ -155,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 4) key_lists_kernel(const KeyListExt
       }
     }
     const int n = __popc(word);
-    // A pass's 256 words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
+    // A pass's words hold whole blocks, and so do a warp's 32 (block_n / 32 divides 32).
     const int warp_blocks = nonempty_blocks(word, words_per_chunk_row);
     if (threadIdx.x % 32 == 0 && warp_blocks > 0) atomicAdd(&blocks, warp_blocks);
     if (out.wider_row_bits) {
@@ -416,7 +426,13 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
     out.wider_row_bits_stride = w.row_bits_stride;
   }
   if (n == 0) return cudaSuccess;
-  return launch_folded<0>(&key_lists_kernel, key_list_grid_shape(e), kThreads, stream, e, summary, out, gate);
+  const int longest_list = e.span_keys(e.query_tiles() - 1);  // the span grows with the tile
+  if (longest_list > 32 * kThreads) {
+    return launch_folded<assembly_bytes(kLongListThreads)>(&key_lists_kernel<kLongListThreads>, key_list_grid_shape(e),
+                                                           kLongListThreads, stream, e, summary, out, gate);
+  }
+  return launch_folded<assembly_bytes(kThreads)>(&key_lists_kernel<kThreads>, key_list_grid_shape(e), kThreads, stream,
+                                                 e, summary, out, gate);
 }
 
 }  // namespace flash_dmattn::kernels
