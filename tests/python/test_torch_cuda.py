@@ -463,4 +463,9 @@ def test_opcheck_on_cuda():
     """Schema, fake implementation and autograd registration of the ops, checked on CUDA tensors."""
     case = make_case(2, 40, 56, 4, 2, 64, device="cuda", mask_shape=(2, 1, 1, 56), bias_shape=(2, 2, 1, 56))
     q, k, v, bias = (case[n].requires_grad_() for n in ("q", "k", "v", "bias"))
+    try:  # opcheck would wrap a refusal of this build (FLASH_DMATTN_HEAD_DIMS) as a failure
+        with torch.no_grad():
+            torch_ops.forward(q, k, v, case["mask"], bias, None, True, 0.0, True)
+    except NotImplementedError as error:
+        pytest.skip(str(error))
     torch.library.opcheck(torch_ops.forward, (q, k, v, case["mask"], bias, None, True, 0.0, True))
