@@ -284,9 +284,7 @@ bool same_tile(const kernels::KeyListExtent& a, const kernels::KeyListExtent& b)
 int wider_chunks(const TensorView& mask, const Problem& p) {
   if (gather_forward_family(p, device_info(p.device.index).arch) != KernelFamily::sm90a) return 0;
   const kernels::KeyListExtent held = forward_list_extent(mask, p), sm90a = sm90a_forward_list_extent(mask, p);
-  const bool wider = held.block_m == sm90a.block_m && sm90a.block_n > held.block_n &&
-                     sm90a.block_n % held.block_n == 0 && 32 % (sm90a.block_n / 32) == 0;
-  return wider ? sm90a.block_n : 0;
+  return held.block_m == sm90a.block_m && kernels::wider_chunks_fit(held, sm90a.block_n) ? sm90a.block_n : 0;
 }
 
 // A prepared mask's memory: [tile summary][key lists, where it holds them][the sm90a gather

@@ -16,7 +16,7 @@ namespace {
 // Threads of a list's CTA, a word of the mask's rows each per pass: 256, or 512 where the longest
 // list passes 8192 keys (one pass where two would run one after the other: where lists are long,
 // their CTAs are few, and the build waits on the longest).
-constexpr int kThreads = 256, kLongListThreads = 512;
+constexpr int kListThreads = 256, kLongListThreads = 512;
 constexpr int kGroupRows = 16;
 constexpr int assembly_bytes(int threads) { return 2 * kGroupRows * (threads + 1) * 4; }
 
@@ -406,7 +406,7 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
       32 % (e.block_n / 32) != 0) {
     return cudaErrorInvalidValue;
   }
-  if (wider.memory && (wider.block_n % e.block_n != 0 || 32 % (wider.block_n / 32) != 0)) return cudaErrorInvalidValue;
+  if (wider.memory && !wider_chunks_fit(e, wider.block_n)) return cudaErrorInvalidValue;
   *lists = describe_key_lists(e, workspace);
   const std::int64_t n = e.lists();
   ListOutput out;
@@ -427,12 +427,12 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   }
   if (n == 0) return cudaSuccess;
   const int longest_list = e.span_keys(e.query_tiles() - 1);  // the span grows with the tile
-  if (longest_list > 32 * kThreads) {
+  if (longest_list > 32 * kListThreads) {
     return launch_folded<assembly_bytes(kLongListThreads)>(&key_lists_kernel<kLongListThreads>, key_list_grid_shape(e),
                                                            kLongListThreads, stream, e, summary, out, gate);
   }
-  return launch_folded<assembly_bytes(kThreads)>(&key_lists_kernel<kThreads>, key_list_grid_shape(e), kThreads, stream,
-                                                 e, summary, out, gate);
+  return launch_folded<assembly_bytes(kListThreads)>(&key_lists_kernel<kListThreads>, key_list_grid_shape(e),
+                                                     kListThreads, stream, e, summary, out, gate);
 }
 
 }  // namespace flash_dmattn::kernels

@@ -104,6 +104,10 @@ struct WiderChunks {
   int block_n = 0;
   void* memory = nullptr;  // nullptr: none
 };
+// Whether lists of `extent` can be written beside in chunks of block_n keys (the bounds above).
+inline bool wider_chunks_fit(const KeyListExtent& extent, int block_n) {
+  return block_n > extent.block_n && block_n % extent.block_n == 0 && 32 % (block_n / 32) == 0;
+}
 std::size_t wider_lists_bytes(const KeyListExtent& extent, int block_n);
 // The wider lists built beside the lists of `extent` in `memory` (describe_key_lists), their own
 // part in `wider_memory`.
