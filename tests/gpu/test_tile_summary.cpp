@@ -30,13 +30,16 @@ struct SummaryCase {
   bool causal = false;
   std::int64_t diagonal = 0;
   bool packed = false;  // the device mask holds the keys 8 to a byte (MaskExtent::packed)
+  // Kept keys are 1, as in a bool tensor (the build's fast path), rather than any nonzero byte
+  // (a uint8 mask viewed as bool).
+  bool bool_bytes = false;
 };
 
 std::string describe(const SummaryCase& c) {
   return std::to_string(c.batches) + "x" + std::to_string(c.heads) + "x" + std::to_string(c.rows) + "x" +
          std::to_string(c.cols) + " col_stride " + std::to_string(c.col_stride) + " offset " +
          std::to_string(c.byte_offset) + " density " + std::to_string(c.density) + (c.causal ? " causal" : "") +
-         (c.packed ? " packed" : "");
+         (c.packed ? " packed" : "") + (c.bool_bytes ? " bool bytes" : "");
 }
 
 class TileSummaryBuild : public GpuTest {
@@ -54,7 +57,7 @@ class TileSummaryBuild : public GpuTest {
     const std::int64_t bhs = c.batches * c.heads;
     for (std::int64_t bh = 0; bh < bhs; ++bh)
       for (std::int64_t i = 0; i < c.rows; ++i)
-        for (std::int64_t j = 0; j < c.cols; ++j) at(bh, i, j) = keep(rng) ? static_cast<std::uint8_t>(1 + rng() % 255) : 0;
+        for (std::int64_t j = 0; j < c.cols; ++j) at(bh, i, j) = keep(rng) ? static_cast<std::uint8_t>(c.bool_bytes ? 1 : 1 + rng() % 255) : 0;
 
     // Packed: the same keys 8 to a byte, rows of ceil(cols / 8) bytes plus the pad, the bits past
     // the keys set (never read).
@@ -163,20 +166,30 @@ TEST_F(TileSummaryBuild, OneRowMasksUnalignedOrStrided) {
 }
 
 TEST_F(TileSummaryBuild, ManyRowMasks) {
-  for (const std::int64_t rows : {2, 17, 64, 130}) {
-    for (const std::int64_t cols : {1, 63, 257, 1000}) {
-      check({2, 2, rows, cols, 1, 0, 0, 0.5});
-      check({1, 3, rows, cols, 1, 0, 16, 0.01});
-      check({1, 2, rows, cols, 1, 1, 3, 0.7});
-      if (test_stopped()) return;
+  for (const bool bools : {false, true}) {
+    for (const std::int64_t rows : {2, 17, 64, 130}) {
+      for (const std::int64_t cols : {1, 63, 257, 1000, 1024, 1040}) {
+        check({2, 2, rows, cols, 1, 0, 0, 0.5, false, 0, false, bools});
+        check({1, 3, rows, cols, 1, 0, 16, 0.01, false, 0, false, bools});
+        check({1, 2, rows, cols, 1, 1, 3, 0.7, false, 0, false, bools});
+        check({1, 1, rows, cols, 1, 0, 0, 1.0, false, 0, false, bools});
+        if (test_stopped()) return;
+      }
     }
   }
 }
 
+// Causal row blocks whose last seen key cuts a summary block, in rows that are 16-byte aligned
+// (1024 and 1040 keys: read as vectors, the last block of 1040 cut short) and not (300).
 TEST_F(TileSummaryBuild, CausalRowBlocks) {
-  for (const std::int64_t diagonal : {-70, 0, 37, 300}) {
-    check({1, 2, 200, 300, 1, 0, 0, 0.6, true, diagonal});
-    if (test_stopped()) return;
+  for (const bool bools : {false, true}) {
+    for (const std::int64_t cols : {300, 1024, 1040}) {
+      for (const std::int64_t diagonal : {-70, 0, 37, 300, 1000}) {
+        check({1, 2, 200, cols, 1, 0, 0, 0.6, true, diagonal, false, bools});
+        check({1, 1, 200, cols, 1, 0, 0, 1.0, true, diagonal, false, bools});
+        if (test_stopped()) return;
+      }
+    }
   }
 }
 

@@ -1,18 +1,24 @@
-// A CTA per row block (kSummaryBlock rows) and kCtaStrips strips of kStripBlocks summary blocks
-// along the keys: per block, the OR of "some key visible" and "some key hidden" over its elements
-// inside the mask, one byte out; and the strip's elements as bits, written as whole words. Every
-// thread has a 16-byte load of each of its warp's rows in flight, and the next strip's loads fly
-// while a strip is summarized: the mask's read (as large as the attention's K and V on long
-// sequences) needs many bytes in flight to run at memory bandwidth. A mask with a single row gets a
-// kernel of its own (below).
-// Measured under Nsight Compute on an H200, the all-true causal masks of the D32 benchmark
-// (16384 x 16384, 134 MB read) and of the D128 one (2 x 4 x 8192 x 8192, 268 MB read):
-//  - a CTA per strip, the bytes tested one by one: 66.6 us for the D32 mask (47% of DRAM bandwidth);
-//  - the bytes tested four to a word (nonzero_nibble): 59.0 and 112 us;
-//  - four strips per CTA, the next one's loads in flight: 55.6 and 108 us, at 109 registers;
-//  - the same capped at 80 registers for three CTAs per SM: 49.1 us (63%) and 90.3 us (70%).
-//    Two strips per CTA measured 45.7 and 94.1, eight 57.6 and 94.1; four CTAs per SM (64
-//    registers, 144 bytes of spills) 67.4 and 125.
+// Four warps per (row block of kSummaryBlock rows, strip of kWarpCols keys), each on a quarter
+// of the rows: a lane holds 32 keys of each of its rows, reads them as two 16-byte vectors, writes
+// them back as one word of bits and ORs its flags over the rows in registers; the two lanes of a
+// summary block, then the four warps, merge theirs at the end (one barrier a CTA). A mask with a
+// single row gets a kernel of its own (below).
+// Measured with a standalone harness (CUDA events, medians of 20, H200; every output byte the
+// kernels may read compared with the layout before), the causal masks of the D128 training
+// benchmark (2 x 4 x 8192 x 8192, 268 MB read) and of the D32 seed one (16384 x 16384, 134 MB),
+// and a non-causal 4 x 8192 x 8192 (268 MB), us:
+//  - before, a CTA per row block and four 512-key strips, each warp on 8 rows, flags meeting in
+//    shared memory behind two barriers a strip: 97, 55 and 94 (2.8, 2.4, 2.9 TB/s). Under Nsight
+//    Compute issue-bound, not memory-bound: 110 instructions a 16-byte load (index arithmetic,
+//    shuffles, barriers), 58% of the ALU pipe, 55% of DRAM bandwidth. Its variants (512 threads,
+//    streaming loads, 2 or 8 strips a CTA) were no faster.
+//  - a warp per row block and strip, 32 keys a lane, no shared memory: 94, 52, 80 (61% fewer
+//    instructions, 44% of the ALU pipe);
+//  - with bool_bits for bytes that are 0 or 1: 87, 44, 77 (16 M instructions, 19% of the ALU
+//    pipe, 74% of DRAM bandwidth); 2 or 8 rows' loads in flight instead of 4: no better;
+//  - two or four warps a row block: 82, 48, 79 and 82, 44, 80; the last, in a later run beside
+//    the layout before (98, 54, 92): 79, 44, 77 (3.4, 3.1, 3.5 TB/s). A linear read of the same
+//    bytes takes 68, 38, 68; the summary also writes an eighth of them as bits.
 #include "kernels/common/tile_summary.h"
 
 #include "kernels/common/launch.h"
@@ -21,15 +27,13 @@ namespace flash_dmattn::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kStripBlocks = 8;
-constexpr int kCtaStrips = 4;  // strips per CTA, one row block
-constexpr int kStripCols = kStripBlocks * kSummaryBlock;
-constexpr int kStripWords = kStripCols / 32;
-constexpr int kVectorsPerBlock = kSummaryBlock / 16;  // 16-byte vectors per row of a block
-constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerWarp = kSummaryBlock / kWarps;
-static_assert(kStripCols == 32 * 16, "the vectorized path gives a lane one 16-byte vector of each row");
-static_assert(kStripBlocks <= 8, "a block's flags are one byte of a 64-bit word");
+constexpr int kLaneCols = 32;                 // a lane's keys of a row: two 16-byte vectors, a word of bits
+constexpr int kWarpCols = 32 * kLaneCols;     // a warp's strip
+constexpr int kRowBlockWarps = 4;              // warps that split a row block's rows
+constexpr int kWarpRows = kSummaryBlock / kRowBlockWarps;
+constexpr int kCtaRowBlocks = kThreads / 32 / kRowBlockWarps;  // a CTA's consecutive row blocks of one strip
+constexpr int kRowGroup = 4;                  // rows whose loads a lane has in flight together
+static_assert(2 * kLaneCols == kSummaryBlock, "two lanes hold a summary block");
 
 __host__ __device__ std::int64_t blocks_of(std::int64_t n) { return (n + kSummaryBlock - 1) / kSummaryBlock; }
 __host__ __device__ std::int64_t words_of(std::int64_t cols) { return (cols + 31) / 32; }
@@ -39,18 +43,18 @@ std::size_t classes_bytes(const MaskExtent& mask) {
 // The bits start 16-byte aligned after the classes.
 std::size_t bits_offset(const MaskExtent& mask) { return (classes_bytes(mask) + 15) / 16 * 16; }
 
-// The grid (folded into grid.x, launch.h): x the CTAs along the keys, y the row blocks, z the
-// mask's (batch, head).
+// The grid (folded into grid.x, launch.h): x the strips along the keys, y groups of kCtaRowBlocks
+// row blocks, z the mask's (batch, head).
 __host__ __device__ GridShape summary_grid_shape(const MaskExtent& mask) {
-  const std::int64_t cta_blocks = std::int64_t(kStripBlocks) * kCtaStrips;
-  return {(blocks_of(mask.cols) + cta_blocks - 1) / cta_blocks, blocks_of(mask.rows), mask.batches * mask.heads};
+  return {(mask.cols + kWarpCols - 1) / kWarpCols, (blocks_of(mask.rows) + kCtaRowBlocks - 1) / kCtaRowBlocks,
+          mask.batches * mask.heads};
 }
 
 // Bit i set where byte i of the word is nonzero, for i < 4: (b & 0x7f) + 0x7f has its top bit
 // set iff the low seven bits are not all zero, and cannot carry into the next byte (at most
 // 0xfe); or-ed with b, the top bit says b != 0. The multiply moves the four top bits (7, 15, 23,
 // 31) to bits 28-31; its other partial products land on distinct lower bits, so nothing carries.
-// Five instructions a word; testing the 16 bytes one by one left the build issue-bound (above).
+// Five instructions a word; testing the 16 bytes one by one left the build issue-bound.
 __device__ __forceinline__ std::uint32_t nonzero_nibble(std::uint32_t word) {
   const std::uint32_t top = (((word & 0x7f7f7f7fu) + 0x7f7f7f7fu) | word) & 0x80808080u;
   return (top * 0x00204081u) >> 28;
@@ -61,152 +65,132 @@ __device__ __forceinline__ std::uint32_t nonzero_bytes(const uint4& v) {
   return nonzero_nibble(v.x) | nonzero_nibble(v.y) << 4 | nonzero_nibble(v.z) << 8 | nonzero_nibble(v.w) << 12;
 }
 
-// The strip of the CTA's row block that starts at key c0, as this CTA reads it.
-struct Strip {
-  std::int64_t c0;
-  int cols;           // keys of the strip inside the mask
-  int seen;           // keys before this one are visible to some row of the block (causal)
-  int vector_blocks;  // leading summary blocks read as 16-byte vectors
-  const std::uint8_t* base;
-};
-
-// Every lane's 16-byte vector of each of its warp's rows of the strip's vectorized blocks (zeros
-// where it reads none), all loads issued before any is used.
-__device__ __forceinline__ void load_vectors(const Strip& strip, const MaskExtent& mask, int rows,
-                                             uint4 (&v)[kRowsPerWarp]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, block = lane / kVectorsPerBlock;
-  const bool lane_reads = block < strip.vector_blocks && block * kSummaryBlock < strip.seen;
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int row = warp + i * kWarps;
-    v[i] = lane_reads && row < rows ? *reinterpret_cast<const uint4*>(strip.base + row * mask.row_stride + lane * 16)
-                                    : make_uint4(0, 0, 0, 0);
-  }
+// Bit i set where byte i of the 32 (two vectors) is nonzero, when every byte is 0 or 1 as in a
+// bool tensor: three instructions a pair of words against twelve above. With such bytes,
+// x = w0 + 16 * w1 holds byte i of w0 at bit 8i and of w1 at bit 8i + 4, and multiplying by
+// 2^24 + 2^17 + 2^10 + 2^3 moves them to bits 24 + i and 28 + i: the other partial products
+// are single bits at distinct places below bit 24 (no carries) or past bit 31 (dropped). Byte 3
+// of each product is 8 keys' bits; two byte permutes gather the four.
+__device__ __forceinline__ std::uint32_t bool_bits(const uint4& a, const uint4& b) {
+  constexpr std::uint32_t kGather = 0x01020408u;
+  const std::uint32_t p0 = (a.x + (a.y << 4)) * kGather, p1 = (a.z + (a.w << 4)) * kGather;
+  const std::uint32_t p2 = (b.x + (b.y << 4)) * kGather, p3 = (b.z + (b.w << 4)) * kGather;
+  return __byte_perm(__byte_perm(p0, p1, 0x0073), __byte_perm(p2, p3, 0x0073), 0x5410);
 }
 
-// Three CTAs per SM: at most 80 registers a thread (measured above).
-__global__ void __launch_bounds__(kThreads, 3) tile_summary_kernel(MaskExtent mask, std::uint8_t* out,
+// The 32 bytes' bits, by bool_bits where every byte is 0 or 1 (a uint8 mask viewed as bool may
+// hold any nonzero byte: those take nonzero_bytes).
+__device__ __forceinline__ std::uint32_t vector_bits(const uint4& a, const uint4& b) {
+  if (((a.x | a.y | a.z | a.w | b.x | b.y | b.z | b.w) & 0xfefefefeu) != 0) {
+    return nonzero_bytes(a) | nonzero_bytes(b) << 16;
+  }
+  return bool_bits(a, b);
+}
+
+// A lane's keys, tested byte by byte (rows not 16-byte aligned, or the keys' last block where it
+// is cut short): keys at or past `counted` (hidden from the whole row block, or past the mask) are
+// neither bits nor flags.
+__device__ __forceinline__ unsigned summarize_bytes(const std::uint8_t* first, std::int64_t row_stride,
+                                                    std::int64_t col_stride, int rows, int counted,
+                                                    std::uint32_t* bits, std::int64_t bits_row_stride) {
+  const std::uint32_t full = counted >= 32 ? ~0u : (1u << counted) - 1u;
+  unsigned flags = 0;
+  for (int r = 0; r < rows; ++r) {
+    std::uint32_t word = 0;
+    for (int j = 0; j < counted; ++j) word |= std::uint32_t(first[r * row_stride + j * col_stride] != 0) << j;
+    bits[r * bits_row_stride] = word;
+    flags |= (word != 0 ? kTileHasVisible : 0u) | (word != full ? kTileHasHidden : 0u);
+  }
+  return flags;
+}
+
+// Four CTAs per SM: at most 64 registers a thread.
+__global__ void __launch_bounds__(kThreads, 4) tile_summary_kernel(MaskExtent mask, std::uint8_t* out,
                                                                  std::uint32_t* bits_out) {
-  __shared__ std::uint32_t words[kSummaryBlock][kStripWords];
-  __shared__ __align__(8) std::uint8_t flags[8];
   const GridCoords cta = unfold_block(summary_grid_shape(mask));
   let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
+  __shared__ unsigned shared_flags[kThreads];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, share = warp % kRowBlockWarps;
   const std::int64_t col_blocks = blocks_of(mask.cols), row_blocks = blocks_of(mask.rows);
-  const std::int64_t bh = cta.z, b = bh / mask.heads, h = bh % mask.heads;
-  const std::int64_t r0 = std::int64_t(cta.y) * kSummaryBlock;
+  const std::int64_t row_block = std::int64_t(cta.y) * kCtaRowBlocks + warp / kRowBlockWarps;
+  const bool live = row_block < row_blocks;
+  const unsigned bh = static_cast<unsigned>(cta.z), b = bh / static_cast<unsigned>(mask.heads),
+                 h = bh % static_cast<unsigned>(mask.heads);
+  const std::int64_t r0 = row_block * kSummaryBlock;
   const int rows = static_cast<int>(mask.rows - r0 < kSummaryBlock ? mask.rows - r0 : kSummaryBlock);
-  const std::uint8_t* row0 = mask.ptr + b * mask.batch_stride + h * mask.head_stride + r0 * mask.row_stride;
   // Keys at or past `seen_end` are causally hidden from every row of the block.
   std::int64_t seen_end = mask.cols;
   if (mask.causal) {
     const std::int64_t last_key = r0 + rows - 1 + mask.diagonal;
     seen_end = last_key < 0 ? 0 : (last_key + 1 < mask.cols ? last_key + 1 : mask.cols);
   }
-  const std::int64_t first_c0 = std::int64_t(cta.x) * kCtaStrips * kStripCols;
-  auto strip_at = [&](int s) {
-    Strip strip;
-    strip.c0 = first_c0 + std::int64_t(s) * kStripCols;
-    strip.cols = static_cast<int>(mask.cols - strip.c0 < kStripCols ? mask.cols - strip.c0 : kStripCols);
-    strip.seen = static_cast<int>(seen_end <= strip.c0 ? 0 : (seen_end - strip.c0 < strip.cols ? seen_end - strip.c0 : strip.cols));
-    strip.base = row0 + strip.c0 * mask.col_stride;
-    // Whole blocks of 16-byte-aligned rows.
-    const bool aligned = mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
-                         reinterpret_cast<std::uintptr_t>(strip.base) % 16 == 0;
-    strip.vector_blocks = aligned ? strip.cols / kSummaryBlock : 0;
-    return strip;
-  };
-  // This CTA's strips, and those of them some row of the block can see (a prefix): the others get
-  // class 0 and no reads.
-  auto strips_before = [&](std::int64_t end) {
-    const std::int64_t n = end > first_c0 ? (end - first_c0 + kStripCols - 1) / kStripCols : 0;
-    return static_cast<int>(n < kCtaStrips ? n : kCtaStrips);
-  };
-  const int strips = strips_before(mask.cols), visible_strips = strips_before(seen_end);
-  // The class bytes of the blocks of the strip at key c0: flags[k] for block k, or 0 (no flags).
-  auto store_classes = [&](std::int64_t c0, const std::uint8_t* block_flags) {
-    const std::int64_t block = c0 / kSummaryBlock + threadIdx.x;
-    if (threadIdx.x < kStripBlocks && block < col_blocks) {
-      out[(bh * row_blocks + cta.y) * col_blocks + block] = block_flags ? block_flags[threadIdx.x] : 0;
-    }
-  };
-  for (int s = visible_strips; s < strips; ++s) store_classes(first_c0 + std::int64_t(s) * kStripCols, nullptr);
-
-  uint4 v[kRowsPerWarp];
-  if (visible_strips > 0) load_vectors(strip_at(0), mask, rows, v);
-  for (int s = 0; s < visible_strips; ++s) {
-    const Strip strip = strip_at(s);
-    // The next strip's loads fly while this one is summarized.
-    uint4 next[kRowsPerWarp] = {};
-    if (s + 1 < visible_strips) load_vectors(strip_at(s + 1), mask, rows, next);
-    std::uint32_t* bits_row0 = bits_out + (bh * mask.rows + r0) * words_of(mask.cols) + strip.c0 / 32;
-    const int first_col = strip.vector_blocks * kSummaryBlock;
-    const int scalar_cols = strip.seen > first_col ? strip.seen - first_col : 0;
-    if (threadIdx.x < 8) flags[threadIdx.x] = 0;
-    if (scalar_cols > 0) {
-      for (int i = threadIdx.x; i < kSummaryBlock * kStripWords; i += kThreads) words[i / kStripWords][i % kStripWords] = 0;
-    }
-    __syncthreads();  // flags (and words) cleared, the last strip's readers of both done
-
-    // Lane l of a warp holds vector l of a row (the warp one row's kStripCols contiguous bytes per
-    // load), warp w rows w, w + kWarps, ... The 16 bits of a vector pair up across neighbouring
-    // lanes into the row's words; the kVectorsPerBlock lanes of a block OR their flags over the rows.
-    if (strip.vector_blocks > 0) {  // uniform: every lane takes part in the shuffles
-      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, block = lane / kVectorsPerBlock;
-      const bool lane_reads = block < strip.vector_blocks && block * kSummaryBlock < strip.seen;
-      bool visible = false, hidden = false;
+  const std::int64_t c = std::int64_t(cta.x) * kWarpCols + lane * kLaneCols, block = c / kSummaryBlock;
+  const int warp_rows = live ? (rows - share * kWarpRows < kWarpRows ? rows - share * kWarpRows : kWarpRows) : 0;
+  const std::uint8_t* first = mask.ptr + b * mask.batch_stride + h * mask.head_stride +
+                              (r0 + share * kWarpRows) * mask.row_stride + c * mask.col_stride;
+  const std::int64_t row_words = words_of(mask.cols);
+  std::uint32_t* bits = bits_out + (std::int64_t(bh) * mask.rows + r0 + share * kWarpRows) * row_words + c / 32;
+  const bool aligned = mask.col_stride == 1 && mask.row_stride % 16 == 0 &&
+                       reinterpret_cast<std::uintptr_t>(first) % 16 == 0;
+  // A lane reads where some row of the block sees its block's first key: as two 16-byte vectors a
+  // row where the rows are aligned and the block whole, else byte by byte up to seen_end.
+  const std::int64_t whole = mask.cols / kSummaryBlock * kSummaryBlock;
+  const bool reads = warp_rows > 0 && c < mask.cols && block * kSummaryBlock < seen_end;
+  const bool vector = reads && aligned && c + kLaneCols <= whole;
+  // The flags count keys before seen_end alone (a vector may run past it); the bits past it are
+  // never read.
+  const std::int64_t counted = seen_end - c < 0 ? 0 : (seen_end - c < kLaneCols ? seen_end - c : kLaneCols);
+  unsigned flags = 0;
+  if (vector) {
+    const std::uint32_t in = counted == kLaneCols ? ~0u : (1u << counted) - 1u;
+    std::uint32_t any = 0, all = ~0u;  // over the rows, of the keys before seen_end
+    for (int r = 0; r < warp_rows; r += kRowGroup) {
+      uint4 v[kRowGroup][2];
 #pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int row = warp + i * kWarps;
-        const bool read = lane_reads && row < rows;
-        const std::uint32_t keep = nonzero_bytes(v[i]);
-        const std::uint32_t pair = keep | (__shfl_down_sync(0xffffffffu, keep, 1) << 16);
-        if (read && lane % 2 == 0) bits_row0[row * words_of(mask.cols) + lane / 2] = pair;
-        visible |= read && keep != 0;
-        hidden |= read && keep != 0xffffu;
+      for (int i = 0; i < kRowGroup; ++i) {
+        if (r + i < warp_rows) {
+          const auto* p = reinterpret_cast<const uint4*>(first + (r + i) * mask.row_stride);
+          v[i][0] = p[0];
+          v[i][1] = p[1];
+        }
       }
-      unsigned block_flags = (visible ? kTileHasVisible : 0) | (hidden ? kTileHasHidden : 0);
-      for (int lanes = 1; lanes < kVectorsPerBlock; lanes *= 2) block_flags |= __shfl_xor_sync(0xffffffffu, block_flags, lanes);
-      if (lane % kVectorsPerBlock == 0 && block_flags) {
-        atomicOr(reinterpret_cast<unsigned long long*>(flags), (unsigned long long)block_flags << (8 * block));
-      }
-    }
-
-    // The rest of the strip element by element: a block cut by the end of the keys, or every
-    // block of a mask whose rows are not 16-byte aligned.
-    if (scalar_cols > 0) {
-      unsigned long long my_flags = 0;  // byte k: block k's flags
-      for (int e = threadIdx.x; e < rows * scalar_cols; e += kThreads) {
-        const int row = e / scalar_cols, col = first_col + e % scalar_cols;
-        const bool keep = strip.base[row * mask.row_stride + col * mask.col_stride] != 0;
-        my_flags |= (unsigned long long)(keep ? kTileHasVisible : kTileHasHidden) << (8 * (col / kSummaryBlock));
-        if (keep) atomicOr(&words[row][col / 32], 1u << (col % 32));
-      }
-      if (my_flags) atomicOr(reinterpret_cast<unsigned long long*>(flags), my_flags);
-    }
-    __syncthreads();
-    if (scalar_cols > 0) {
-      const int first_word = first_col / 32, scalar_words = static_cast<int>(words_of(strip.cols)) - first_word;
-      for (int i = threadIdx.x; i < rows * scalar_words; i += kThreads) {
-        const int row = i / scalar_words, w = first_word + i % scalar_words;
-        bits_row0[row * words_of(mask.cols) + w] = words[row][w];
-      }
-      __syncthreads();  // words read before the next strip clears them
-    }
-    store_classes(strip.c0, flags);
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) v[i] = next[i];
+      for (int i = 0; i < kRowGroup; ++i) {
+        if (r + i < warp_rows) {
+          const std::uint32_t word = vector_bits(v[i][0], v[i][1]);
+          bits[(r + i) * row_words] = word;
+          any |= word & in;
+          all &= word | ~in;
+        }
+      }
+    }
+    flags = (any != 0 ? kTileHasVisible : 0u) | (all != ~0u ? kTileHasHidden : 0u);
+  } else if (reads) {
+    flags = summarize_bytes(first, mask.row_stride, mask.col_stride, warp_rows, static_cast<int>(counted), bits, row_words);
+  }
+  // The block's two lanes, then the row block's warps.
+  flags |= __shfl_xor_sync(0xffffffffu, flags, 1);
+  shared_flags[threadIdx.x] = flags;
+  __syncthreads();
+  if (share == 0) {
+#pragma unroll
+    for (int k = 1; k < kRowBlockWarps; ++k) flags |= shared_flags[threadIdx.x + 32 * k];
+  }
+  if (live && share == 0 && lane % 2 == 0 && block < col_blocks) {
+    out[(std::int64_t(bh) * row_blocks + row_block) * col_blocks + block] = flags;
   }
 }
 
 // A mask with one row for every query (decode masks, key-padding masks): the kernel above gives
-// a 64-row block 256 threads, so here all but 4 of them would idle. Instead every thread
-// summarizes kRowVectors runs of 16 keys, their loads all in flight at once, and the 4 threads
-// of a 64-key block combine their flags by shuffles. Measured under Nsight Compute on an H200
-// (the decode benchmark's 1 x 8 x 1 x 131072 mask): 19.2 us with the kernel above, 4.6 here
-// with 4 runs a thread. A decode's forward waits for this kernel, so its latency counts more
-// than its loads in flight: one run a thread spreads the mask over 4x the CTAs. Torch profiler,
-// H200, decode masks (1, 8, 1, Sk): 4 runs -> 1 run 1.7 -> 1.3 us at Sk 1024, 3.4 -> 1.8 at
-// 16384, 3.6 -> 1.9 at 65536, 3.7 -> 2.1 at 131072 (2 runs: 1.4, 2.4, 2.5, 2.6).
+// a row block four warps, three of which would idle here, the fourth loading one row. Instead
+// every thread summarizes kRowVectors runs of 16 keys, their loads all in flight at once, and the
+// 4 threads of a 64-key block combine their flags by shuffles. Measured under Nsight Compute on
+// an H200 (the decode benchmark's 1 x 8 x 1 x 131072 mask): 19.2 us with the many-row kernel of
+// the time (a CTA of 256 threads a row block), 4.6 here with 4 runs a thread. A decode's forward
+// waits for this kernel, so its latency counts more than its loads in flight: one run a thread
+// spreads the mask over 4x the CTAs. Torch profiler, H200, decode masks (1, 8, 1, Sk): 4 runs ->
+// 1 run 1.7 -> 1.3 us at Sk 1024, 3.4 -> 1.8 at 16384, 3.6 -> 1.9 at 65536, 3.7 -> 2.1 at 131072
+// (2 runs: 1.4, 2.4, 2.5, 2.6).
 constexpr int kRowVectors = 1;
 constexpr int kRowRunCols = 16;
 constexpr int kRowCtaCols = kThreads * kRowRunCols * kRowVectors;
