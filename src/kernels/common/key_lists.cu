@@ -111,13 +111,18 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) key_lists_kernel(co
     return (any & kTileHasVisible) != 0;
   };
   // Word w (< words) of rows r0 .. r0 + kGroupRows - 1 (0 past the tile's rows), without the
-  // bits past each row's own causal limit (they may be unwritten). The loads issue together:
-  // where lists are long their CTAs are few, and each waits on its own loads.
+  // bits past each row's own causal limit. A row loads the word only where it sees some key of
+  // it: the summary leaves a row block's words past its last seen key unwritten, and a tile may
+  // span row blocks. The loads issue together: where lists are long their CTAs are few, and each
+  // waits on its own loads.
   const int first_limit = e.causal ? min(key_end, m_begin + e.diagonal + 1) : key_end;
   auto load_group = [&](int r0, int w, std::uint32_t(&v)[kGroupRows]) {
     const std::uint32_t* column = bits + std::int64_t(m_begin + r0) * s.bits_row_stride + w;
+    const int seeing_from = e.causal ? w * 32 - (m_begin + r0 + e.diagonal) : 0;  // the first row that sees w
 #pragma unroll
-    for (int g = 0; g < kGroupRows; ++g) v[g] = r0 + g < rows ? column[g * s.bits_row_stride] : 0u;
+    for (int g = 0; g < kGroupRows; ++g) {
+      v[g] = r0 + g < rows && g >= seeing_from ? column[g * s.bits_row_stride] : 0u;
+    }
     if ((w + 1) * 32 <= first_limit) return;  // every row of the tile may see all of the word
 #pragma unroll
     for (int g = 0; g < kGroupRows; ++g) {
