@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) key_lists_kernel(co
   const std::uint8_t* classes = s.classes ? s.classes + c.z * s.batch_stride + c.y * s.head_stride : nullptr;
   const int row_block_begin = m_begin / kSummaryBlock, row_block_end = (m_end - 1) / kSummaryBlock + 1;
   auto block_seen = [&](int b) {
-    if (!s.classes) return true;  // bits without classes: a key-indices build (index_bits.cu)
+    if (!classes) return true;  // bits without classes: a key-indices build (index_bits.cu)
     std::uint8_t any = 0;
     for (int rb = row_block_begin; rb < row_block_end; ++rb) any |= classes[rb * s.row_stride + b * s.col_stride];
     return (any & kTileHasVisible) != 0;
