@@ -292,9 +292,15 @@ def test_training_forward_holds_its_tile_summary_for_the_backward(monkeypatch):
         assert torch.equal(held_grads[name], grad), name
     check_against_reference(case, dout, is_causal=True)  # (the default mode, its choice deferred)
     assert held == ["tile_summary", "deferred_choice"]
-    with torch.no_grad():  # no backward to come: nothing held
-        flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], is_causal=True)
-    assert len(held) == 2
+    # No backward to come: the forward alone chooses its path on the device, as the training
+    # forward does, and gives that forward's output bitwise.
+    q = case["q"].detach().requires_grad_()
+    trained = flash_dmattn_func(q, case["k"], case["v"], attn_mask=case["mask"], is_causal=True)
+    assert held[-1] == "deferred_choice"
+    with torch.no_grad():
+        alone = flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], is_causal=True)
+    assert held[2:] == ["deferred_choice", "deferred_choice"]
+    assert torch.equal(alone, trained.detach())
 
 
 @pytest.mark.parametrize("head_dim", [32, 128])
