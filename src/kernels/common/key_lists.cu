@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) key_lists_kernel(co
                                                                              const ListGate gate) {
   constexpr int kWarps = kThreads / 32;
   const GridCoords c = unfold_block(key_list_grid_shape(e));
-  let_next_grid_start();  // the forward, launched early, waits for this kernel to finish
+  wait_for_previous_grid();  // launched early: the summary (and estimate) before it
+  let_next_grid_start();     // the choice or the forward, launched early, waits for this kernel to finish
   if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) return;
   if (gate.gather_chosen && *gate.gather_chosen == 0) return;
   const int m_begin = c.x * e.block_m, m_end = min(m_begin + e.block_m, e.seqlen_q);
@@ -242,6 +243,7 @@ constexpr int kEstimateWarps = 8;
 // keys, reading the classes of the tile's row blocks, and one lane adds the list's bounds.
 __global__ void __launch_bounds__(kEstimateWarps * 32) estimate_kernel(const KeyListExtent e, const TileSummary s,
                                                                       ListEstimate* estimate) {
+  let_next_grid_start();  // the list build, launched early, waits for this kernel to finish
   const std::int64_t list = std::int64_t(blockIdx.x) * kEstimateWarps + threadIdx.x / 32;
   if (list >= e.lists()) return;
   const int lane = threadIdx.x % 32;
@@ -315,6 +317,8 @@ constexpr int kChoiceThreads = 512;
 __global__ void __launch_bounds__(kChoiceThreads) choice_kernel(const KeyListExtent e, const int* counts,
                                                                 const ListGate gate, double share, double sparse_share,
                                                                 int* gather_chosen) {
+  wait_for_previous_grid();  // launched early: the lists before it
+  let_next_grid_start();     // the forward, launched early, waits for this kernel to finish
   // Where the estimate rules the gather path out, the gated build wrote no sizes.
   if (gate.estimate && !lists_may_pay(*gate.estimate, gate.share_permille, gate.sparse_permille)) {
     if (threadIdx.x == 0) *gather_chosen = 0;
@@ -345,8 +349,8 @@ __global__ void __launch_bounds__(kChoiceThreads) choice_kernel(const KeyListExt
 
 cudaError_t choose_gather_path(const KeyListExtent& e, const KeyLists& lists, const ListGate& gate, double share,
                                double sparse_share, int* gather_chosen, cudaStream_t stream) {
-  return launch_folded<0>(&choice_kernel, GridShape{1, 1, 1}, kChoiceThreads, stream, e, lists.counts, gate, share,
-                          sparse_share, gather_chosen);
+  return launch_folded<0>(&choice_kernel, GridShape{1, 1, 1}, kChoiceThreads, stream, StreamOrder::early, e,
+                          lists.counts, gate, share, sparse_share, gather_chosen);
 }
 
 cudaError_t estimate_key_lists(const KeyListExtent& e, const TileSummary& summary, ListEstimate* estimate,
@@ -434,10 +438,12 @@ cudaError_t build_key_lists(const KeyListExtent& e, const TileSummary& summary, 
   const int longest_list = e.span_keys(e.query_tiles() - 1);  // the span grows with the tile
   if (longest_list > 32 * kListThreads) {
     return launch_folded<assembly_bytes(kLongListThreads)>(&key_lists_kernel<kLongListThreads>, key_list_grid_shape(e),
-                                                           kLongListThreads, stream, e, summary, out, gate);
+                                                           kLongListThreads, stream, StreamOrder::early, e, summary,
+                                                           out, gate);
   }
   return launch_folded<assembly_bytes(kListThreads)>(&key_lists_kernel<kListThreads>, key_list_grid_shape(e),
-                                                     kListThreads, stream, e, summary, out, gate);
+                                                     kListThreads, stream, StreamOrder::early, e, summary, out,
+                                                     gate);
 }
 
 }  // namespace flash_dmattn::kernels

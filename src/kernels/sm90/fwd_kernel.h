@@ -23,6 +23,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) forward_kernel(const __grid_constant__ ForwardParams params) {
   // 1024-byte alignment: the period of the widest shared-memory swizzle that wgmma reads.
   extern __shared__ __align__(1024) char smem[];
+  wait_for_previous_grid();  // launched early (StreamOrder::early): the summary or lists before it
   if (!runs_chosen_path(params, false)) return;
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   // The grid covers the longest sequence's query tiles; a shorter one's CTAs past its rows return.
@@ -35,6 +36,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_tma_kernel(const __grid_constant__ ForwardTmaParams<Traits> params) {
   extern __shared__ __align__(1024) char smem[];
+  wait_for_previous_grid();  // as forward_kernel
   if (!runs_chosen_path(params.p, false)) return;
   const ForwardCta cta = forward_cta(params.p, Traits::kBlockM);
   // As forward_kernel; TMA reads the sequence's rows from p.q_row0 and p.k_row0.
@@ -58,7 +60,7 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
   const bool tma = params.pack_group == 1 && operands.addressable();
   if (!tma) {
     using Traits = ForwardTraits<Element, kHeadDim, KvLoads::cp_async>;
-    return launch_forward<Traits>(&forward_kernel<Traits>, params, stream);
+    return launch_forward<Traits>(&forward_kernel<Traits>, params, stream, StreamOrder::early);
   }
 
   using Traits = ForwardTraits<Element, kHeadDim, KvLoads::tma_producer>;
@@ -72,13 +74,14 @@ cudaError_t run_forward(const ForwardParams& params, cudaStream_t stream) {
           operands.v, params.head_dim, tma_batches(params)),
       stageable_bias(params.bias, params.seqlen_k)};
   return launch_query_tiles<Traits::kSmemBytes>(&forward_tma_kernel<Traits>, tma_params, params, Traits::kBlockM,
-                                                 Traits::kNThreads, stream);
+                                                 Traits::kNThreads, stream, StreamOrder::early);
 }
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     forward_gather_kernel(const __grid_constant__ ForwardParams params) {
   extern __shared__ __align__(1024) char smem[];
+  wait_for_previous_grid();  // as forward_kernel
   if (!runs_chosen_path(params, true)) return;
   const ForwardCta cta = forward_cta(params, Traits::kBlockM);
   forward_tile_gathered<Traits>(params, smem, cta.m_block, cta.head, cta.batch, cta.split);
@@ -92,7 +95,7 @@ cudaError_t launch_gather_forward(const ForwardParams& params, cudaStream_t stre
   if (params.lists.block_m != Traits::kListRows || params.lists.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   if (Traits::kPackedHeads == 2 && !pairs_share_operands(params.lists, params.bias)) return cudaErrorInvalidValue;
   return launch_query_tiles<Traits::kSmemBytes>(&forward_gather_kernel<Traits>, params, params, Traits::kBlockM,
-                                                Traits::kNThreads, stream);
+                                                Traits::kNThreads, stream, StreamOrder::early);
 }
 
 template <typename Element, int kHeadDim>
