@@ -94,21 +94,34 @@ std::vector<double> view_values(const TensorView& t) {
   return values;
 }
 
-// What the `out` a kernel is given does to dbias (see expect_gradients_match_reference in the
-// header): per dbias element, shift = −Σ P·δ and allowance = Σ P·γ_D·Σ_d|dO·out| over the
-// positions (b, h, i, j) that read it, with δ = <dO, out − O> of the row. P, LSE and O are
-// recomputed here in fp64 from the inputs (own code, sharing nothing with the reference).
+// What the `out` a kernel is given does to dq, dk and dbias (see expect_gradients_match_reference
+// in the header): every dZ = P·(dP − Δ) carries −P·δ with δ = <dO, out − O> of its row. Per
+// dbias element, shift = −Σ P·δ and allowance = Σ P·γ_D·Σ_d|dO·out| over the positions (b, h, i,
+// j) that read it; dq and dk get the same terms through the logits' derivative (scale, and
+// softcap's 1 − tanh²) times k and q. P, LSE and O are recomputed here in fp64 from the inputs
+// (own code, sharing nothing with the reference).
 struct DeltaShift {
-  std::vector<double> shift, allowance;
+  std::vector<double> shift, allowance;         // dbias, where the inputs have a bias
+  std::vector<double> dq_shift, dq_allowance;   // (B, Sq, H, D)
+  std::vector<double> dk_shift, dk_allowance;   // (B, Sk, Hk, D)
 
   DeltaShift(const reference::Inputs& in, const HostTensor& dout_tensor, const HostTensor& out_tensor) {
     const std::int64_t B = in.q.shape[0], Sq = in.q.shape[1], H = in.q.shape[2], D = in.q.shape[3];
     const std::int64_t Sk = in.k.shape[1], Hk = in.k.shape[2];
-    const TensorView& bias = *in.bias;
-    const std::int64_t Bx = bias.shape[0], Hx = bias.shape[1], Sqx = bias.shape[2], Skx = bias.shape[3];
-    shift.assign(bias.numel(), 0.0);
-    allowance.assign(bias.numel(), 0.0);
+    const TensorView* bias = in.bias ? &*in.bias : nullptr;
+    const std::int64_t Bx = bias ? bias->shape[0] : 1, Hx = bias ? bias->shape[1] : 1;
+    const std::int64_t Sqx = bias ? bias->shape[2] : 1, Skx = bias ? bias->shape[3] : 1;
+    if (bias) {
+      shift.assign(bias->numel(), 0.0);
+      allowance.assign(bias->numel(), 0.0);
+    }
+    dq_shift.assign(B * Sq * H * D, 0.0);
+    dq_allowance.assign(B * Sq * H * D, 0.0);
+    dk_shift.assign(B * Sk * Hk * D, 0.0);
+    dk_allowance.assign(B * Sk * Hk * D, 0.0);
     if (B == 0 || Sq == 0 || Sk == 0 || H == 0) return;
+    // (The problems here hold bool masks and no key indices; anything else keeps no shift.)
+    if (in.indices || (in.mask && in.mask->dtype == DType::uint8)) return;
     const double gamma = static_cast<double>(D) * std::ldexp(1.0, -24);
 
     // Operands as doubles: q, dout and out (B, Sq, H, D), k and v (B, Hk, Sk, D).
@@ -122,14 +135,15 @@ struct DeltaShift {
             v[((b * Hk + m) * Sk + j) * D + d] = host::load(in.v, host::offset4(in.v, b, j, m, d));
           }
 
-    // Pass 1, over rows: P of every position (0 where hidden or -inf), δ and Σ_d|dO·out| of the row.
-    std::vector<float> p_all(B * H * Sq * Sk, 0.0f);
+    // Pass 1, over rows: P of every position (0 where hidden or -inf) and P times the logit's
+    // derivative by q·k, δ and Σ_d|dO·out| of the row, and the row's dq terms.
+    std::vector<float> p_all(B * H * Sq * Sk, 0.0f), slope_all(B * H * Sq * Sk, 0.0f);
     std::vector<double> delta(B * H * Sq, 0.0), magnitude(B * H * Sq, 0.0);
     const std::int64_t rows = B * H * Sq;
-    host::parallel_for(rows, host::worker_count(rows, 4.0 * rows * Sk * D), [&](std::int64_t row, int) {
+    host::parallel_for(rows, host::worker_count(rows, 6.0 * rows * Sk * D), [&](std::int64_t row, int) {
       const std::int64_t b = row / (H * Sq), h = row / Sq % H, i = row % Sq, m = h / (H / Hk);
       const double* qi = &q[((b * Sq + i) * H + h) * D];
-      std::vector<double> z(Sk, -kInf);
+      std::vector<double> z(Sk, -kInf), slope(Sk, in.scale);
       double zmax = -kInf;
       for (std::int64_t j = 0; j < Sk; ++j) {
         if (in.causal && j > i + Sk - Sq) break;
@@ -143,9 +157,15 @@ struct DeltaShift {
         double dot = 0.0;
         for (std::int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
         double logit = in.scale * dot;
-        if (in.softcap > 0.0) logit = in.softcap * std::tanh(logit / in.softcap);
-        logit += host::load(bias, host::offset4(bias, Bx == 1 ? 0 : b, h / (H / Hx), Sqx == 1 ? 0 : i,
-                                                 Skx == 1 ? 0 : j));
+        if (in.softcap > 0.0) {
+          const double t = std::tanh(logit / in.softcap);
+          logit = in.softcap * t;
+          slope[j] = in.scale * (1.0 - t * t);
+        }
+        if (bias) {
+          logit += host::load(*bias, host::offset4(*bias, Bx == 1 ? 0 : b, h / (H / Hx), Sqx == 1 ? 0 : i,
+                                                    Skx == 1 ? 0 : j));
+        }
         z[j] = logit;
         zmax = std::max(zmax, logit);
       }
@@ -155,10 +175,12 @@ struct DeltaShift {
       const double lse = zmax + std::log(sum);
       std::vector<double> o(D, 0.0);
       float* p = &p_all[row * Sk];
+      float* p_slope = &slope_all[row * Sk];
       for (std::int64_t j = 0; j < Sk; ++j) {
         if (z[j] == -kInf) continue;
         const double pj = std::exp(z[j] - lse);
         p[j] = static_cast<float>(pj);
+        p_slope[j] = static_cast<float>(pj * slope[j]);
         const double* vj = &v[((b * Hk + m) * Sk + j) * D];
         for (std::int64_t d = 0; d < D; ++d) o[d] += pj * vj[d];
       }
@@ -167,9 +189,37 @@ struct DeltaShift {
         delta[row] += dout[at + d] * (out[at + d] - o[d]);
         magnitude[row] += std::abs(dout[at + d] * out[at + d]);
       }
+      for (std::int64_t j = 0; j < Sk; ++j) {
+        if (p_slope[j] == 0.0f) continue;
+        const double* kj = &k[((b * Hk + m) * Sk + j) * D];
+        for (std::int64_t d = 0; d < D; ++d) {
+          dq_shift[at + d] -= p_slope[j] * delta[row] * kj[d];
+          dq_allowance[at + d] += p_slope[j] * gamma * magnitude[row] * std::abs(kj[d]);
+        }
+      }
     });
 
-    // Pass 2, over (dbias row, block of keys): sum over the rows that read the dbias row. Each
+    // Pass 2, over (batch, KV head, key): dk's terms, summed over the rows of the head's group.
+    const std::int64_t group = H / Hk, keys = B * Hk * Sk;
+    host::parallel_for(keys, host::worker_count(keys, 2.0 * rows * Sk * D), [&](std::int64_t key, int) {
+      const std::int64_t b = key / (Hk * Sk), m = key / Sk % Hk, j = key % Sk;
+      double* dk_at = &dk_shift[((b * Sk + j) * Hk + m) * D];
+      double* allowance_at = &dk_allowance[((b * Sk + j) * Hk + m) * D];
+      for (std::int64_t h = m * group; h < (m + 1) * group; ++h)
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          const std::int64_t row = (b * H + h) * Sq + i;
+          const double w = slope_all[row * Sk + j];
+          if (w == 0.0) continue;
+          const double* qi = &q[((b * Sq + i) * H + h) * D];
+          for (std::int64_t d = 0; d < D; ++d) {
+            dk_at[d] -= w * delta[row] * qi[d];
+            allowance_at[d] += w * gamma * magnitude[row] * std::abs(qi[d]);
+          }
+        }
+    });
+    if (!bias) return;
+
+    // Pass 3, over (dbias row, block of keys): sum over the rows that read the dbias row. Each
     // query row (b, h, i) reads exactly one dbias row.
     constexpr std::int64_t kKeys = 512;
     const std::int64_t blocks = (Skx + kKeys - 1) / kKeys, items = Bx * Hx * Sqx * blocks;
@@ -442,8 +492,21 @@ void expect_gradients_match_reference(const BackwardProblem& p, const GpuGradien
   const DType dtype = p.q.view.dtype;
   const std::vector<std::int64_t> q_shape = {n.B, n.Sq, n.H, n.D}, k_shape = {n.B, n.Sk, n.Hk, n.D};
   const std::vector<double> dq = gpu.dq.values(), dk = gpu.dk.values(), dv = gpu.dv.values();
-  EXPECT_TRUE(within_tolerance("dq", dq, lowp.dq, ref.dq, dtype, q_shape));
-  EXPECT_TRUE(within_tolerance("dk", dk, lowp.dk, ref.dk, dtype, k_shape));
+  const DeltaShift shift(in, p.dout, gpu.out);
+  {
+    SCOPED_TRACE("dq, dk: reference and emulation shifted by the out the backward was given (Δ)");
+    std::vector<double> ref_dq = ref.dq, lowp_dq = lowp.dq, ref_dk = ref.dk, lowp_dk = lowp.dk;
+    for (std::size_t e = 0; e < ref_dq.size(); ++e) {
+      ref_dq[e] += shift.dq_shift[e];
+      lowp_dq[e] += shift.dq_shift[e];
+    }
+    for (std::size_t e = 0; e < ref_dk.size(); ++e) {
+      ref_dk[e] += shift.dk_shift[e];
+      lowp_dk[e] += shift.dk_shift[e];
+    }
+    EXPECT_TRUE(within_tolerance("dq", dq, lowp_dq, ref_dq, dtype, q_shape, &shift.dq_allowance));
+    EXPECT_TRUE(within_tolerance("dk", dk, lowp_dk, ref_dk, dtype, k_shape, &shift.dk_allowance));
+  }
   EXPECT_TRUE(within_tolerance("dv", dv, lowp.dv, ref.dv, dtype, k_shape));
   std::vector<double> dbias;
   std::vector<std::int64_t> bias_shape;
@@ -459,7 +522,6 @@ void expect_gradients_match_reference(const BackwardProblem& p, const GpuGradien
       for (double x : dbias) nonzero += x != 0.0;
       EXPECT_EQ(nonzero, 0) << "dbias of a bias with key dim 1 must be exactly 0";
     } else {
-      const DeltaShift shift(in, p.dout, gpu.out);
       std::vector<double> ref_dbias = ref.dbias, lowp_dbias = lowp.dbias;
       for (std::size_t e = 0; e < ref_dbias.size(); ++e) {
         ref_dbias[e] += shift.shift[e];
