@@ -444,6 +444,50 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     assert (captured.path, captured.backward_path) == ("tile", "tile")
 
 
+def test_inference_forward_chooses_its_path_on_the_device(monkeypatch):
+    """A forward without gradient prepares a mask of at least _HELD_SUMMARY_MASK_BYTES itself
+    (deferred_choice) and its kernels choose the path on the device: a scattered mask's output is
+    the forced gather path's, a full mask's the forced tile path's, bitwise; and so in a CUDA
+    graph, whose capture cannot wait for anything. The seed's shape: the device chooses only
+    where neither path splits the keys across CTAs (a grid of at least a wave)."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    n = 16384
+    case = make_case(1, n, n, 2, 1, 32, device="cuda", bias_shape=(1, 1, 1, n))
+    q, k, v, bias = case["q"], case["k"], case["v"], case["bias"]
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.randperm(n, generator=torch.Generator().manual_seed(1))[:24]] = True
+    sparse = keep.expand(1, 1, n, n).contiguous().cuda()
+    full = torch.ones(1, 1, n, n, dtype=torch.bool, device="cuda")
+    assert torch_ops._mask_bytes(sparse) >= torch_ops._HELD_SUMMARY_MASK_BYTES
+
+    def call(mask):
+        with torch.no_grad():
+            return flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True)
+
+    held = _record_preparations(monkeypatch)
+    try:
+        chosen = {"gather": call(sparse), "tile": call(full)}
+    except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
+        pytest.skip(str(error))
+    assert held == ["deferred_choice", "deferred_choice"]
+    for path, mask in (("gather", sparse), ("tile", full)):
+        monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", path)
+        assert torch.equal(chosen[path], call(mask)), path
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
+    assert len(held) == 2  # (a forced path prepares nothing)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        call(sparse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(sparse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, chosen["gather"])
+
+
 def test_auto_path_keeps_a_window_on_the_tile_path(monkeypatch):
     """A sliding window lists the keys of its visible tiles, which are full: the gather path would
     visit as many keys at a higher price per key (src/cuda/sparse_path.h, gather_pays), though its
