@@ -493,19 +493,17 @@ void expect_gradients_match_reference(const BackwardProblem& p, const GpuGradien
   const std::vector<std::int64_t> q_shape = {n.B, n.Sq, n.H, n.D}, k_shape = {n.B, n.Sk, n.Hk, n.D};
   const std::vector<double> dq = gpu.dq.values(), dk = gpu.dk.values(), dv = gpu.dv.values();
   const DeltaShift shift(in, p.dout, gpu.out);
+  // values + by, element by element (the reference's and the emulation's, shifted alike).
+  const auto shifted = [](std::vector<double> values, const std::vector<double>& by) {
+    for (std::size_t e = 0; e < values.size(); ++e) values[e] += by[e];
+    return values;
+  };
   {
     SCOPED_TRACE("dq, dk: reference and emulation shifted by the out the backward was given (Δ)");
-    std::vector<double> ref_dq = ref.dq, lowp_dq = lowp.dq, ref_dk = ref.dk, lowp_dk = lowp.dk;
-    for (std::size_t e = 0; e < ref_dq.size(); ++e) {
-      ref_dq[e] += shift.dq_shift[e];
-      lowp_dq[e] += shift.dq_shift[e];
-    }
-    for (std::size_t e = 0; e < ref_dk.size(); ++e) {
-      ref_dk[e] += shift.dk_shift[e];
-      lowp_dk[e] += shift.dk_shift[e];
-    }
-    EXPECT_TRUE(within_tolerance("dq", dq, lowp_dq, ref_dq, dtype, q_shape, &shift.dq_allowance));
-    EXPECT_TRUE(within_tolerance("dk", dk, lowp_dk, ref_dk, dtype, k_shape, &shift.dk_allowance));
+    EXPECT_TRUE(within_tolerance("dq", dq, shifted(lowp.dq, shift.dq_shift), shifted(ref.dq, shift.dq_shift), dtype,
+                                 q_shape, &shift.dq_allowance));
+    EXPECT_TRUE(within_tolerance("dk", dk, shifted(lowp.dk, shift.dk_shift), shifted(ref.dk, shift.dk_shift), dtype,
+                                 k_shape, &shift.dk_allowance));
   }
   EXPECT_TRUE(within_tolerance("dv", dv, lowp.dv, ref.dv, dtype, k_shape));
   std::vector<double> dbias;
@@ -522,13 +520,9 @@ void expect_gradients_match_reference(const BackwardProblem& p, const GpuGradien
       for (double x : dbias) nonzero += x != 0.0;
       EXPECT_EQ(nonzero, 0) << "dbias of a bias with key dim 1 must be exactly 0";
     } else {
-      std::vector<double> ref_dbias = ref.dbias, lowp_dbias = lowp.dbias;
-      for (std::size_t e = 0; e < ref_dbias.size(); ++e) {
-        ref_dbias[e] += shift.shift[e];
-        lowp_dbias[e] += shift.shift[e];
-      }
       SCOPED_TRACE("dbias: reference and emulation shifted by -sum P * <dO, out - O> (the out the backward was given)");
-      EXPECT_TRUE(within_tolerance("dbias", dbias, lowp_dbias, ref_dbias, b.dtype, bias_shape, &shift.allowance));
+      EXPECT_TRUE(within_tolerance("dbias", dbias, shifted(lowp.dbias, shift.shift), shifted(ref.dbias, shift.shift),
+                                   b.dtype, bias_shape, &shift.allowance));
     }
   }
 
