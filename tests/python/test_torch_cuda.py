@@ -488,6 +488,55 @@ def test_inference_forward_chooses_its_path_on_the_device(monkeypatch):
     assert torch.equal(captured, chosen["gather"])
 
 
+def test_inference_forward_on_uneven_lists(monkeypatch):
+    """The seed's shape with key lists of every length: the first 2048 query rows keep every causal
+    key (up to 16 chunks of 128 keys a tile), rows 2048 to 4095 none (empty lists, whose CTAs
+    write O = 0 and LSE = +inf without a pipeline), the rest 24 keys scattered above 4096. The
+    device chooses the gather path (bitwise the forced one's output); out and LSE are within the
+    project's rule of the float64 reference, and bitwise equal on a rerun and in a CUDA graph."""
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH", raising=False)
+    n, dense_rows, empty_rows = 16384, 2048, 4096
+    case = make_case(1, n, n, 2, 1, 32, device="cuda", bias_shape=(1, 1, 1, n))
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[empty_rows + torch.randperm(n - empty_rows, generator=torch.Generator().manual_seed(2))[:24]] = True
+    mask = keep.expand(1, 1, n, n).clone()
+    mask[:, :, :dense_rows] = True
+    case["mask"] = mask.cuda()
+
+    def call():
+        with torch.no_grad():
+            return flash_dmattn_func(case["q"], case["k"], case["v"], attn_mask=case["mask"], attn_bias=case["bias"],
+                                     is_causal=True, return_attn_probs=True)[:2]
+
+    held = _record_preparations(monkeypatch)
+    try:
+        out, lse = call()
+    except NotImplementedError as error:  # a build for fewer head dims (FLASH_DMATTN_HEAD_DIMS)
+        pytest.skip(str(error))
+    assert held == ["deferred_choice"]
+    assert torch.isinf(lse[:, :, dense_rows:empty_rows]).all() and not out[:, dense_rows:empty_rows].any()
+    again = call()
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
+    assert torch.equal(call()[0], out)
+    monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
+    ref_out, ref_lse, _ = run_reference(case, is_causal=True)
+    base_out, base_lse, _ = run_reference(case, upcast=False, is_causal=True)
+    assert_within_baseline("out", out, ref_out, base_out)
+    assert_within_baseline("lse", lse, ref_lse, base_lse)
+
+
 def test_auto_path_keeps_a_window_on_the_tile_path(monkeypatch):
     """A sliding window lists the keys of its visible tiles, which are full: the gather path would
     visit as many keys at a higher price per key (src/cuda/sparse_path.h, gather_pays), though its

@@ -280,6 +280,11 @@ __device__ __forceinline__ void forward_tile_gathered(const ForwardParams& p, ch
   const int h = grid_head * Traits::kPackedHeads;  // the tile's first query head
   typename Traits::Keys list(p.lists, b, h, m_block * Traits::kListRows, reinterpret_cast<char*>(storage.staging.data()));
   const ChunkShare share(list.chunks(), p.num_splits, split);
+  if (share.begin == share.end && p.num_splits == 1) {  // (an empty split writes a partial, below)
+    const RowMap rows{Traits::kPackedHeads, h, p.seqlen_q * Traits::kPackedHeads};
+    write_empty_output<typename Traits::Element, Traits::kBlockM>(p, rows, m_block * Traits::kBlockM, b);
+    return;
+  }
   list.first_chunk = share.begin;
   list.stage_bias_row(p, b, h);
   auto params = [&](auto* pipeline) {  // a null pointer names the pipeline type
