@@ -444,6 +444,23 @@ def test_auto_path_prepares_the_gather_path_for_few_keys_only(monkeypatch):
     assert (captured.path, captured.backward_path) == ("tile", "tile")
 
 
+def _captured_and_replayed(call):
+    """What call() returns when captured in a CUDA graph (after a warm-up on a side stream, as
+    torch.cuda.graphs asks) and the graph replayed once; and the graph, which the caller keeps
+    while it reads the result."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured, graph
+
+
 def test_inference_forward_chooses_its_path_on_the_device(monkeypatch):
     """A forward without gradient prepares a mask of at least _HELD_SUMMARY_MASK_BYTES itself
     (deferred_choice) and its kernels choose the path on the device: a scattered mask's output is
@@ -475,16 +492,7 @@ def test_inference_forward_chooses_its_path_on_the_device(monkeypatch):
         assert torch.equal(chosen[path], call(mask)), path
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
     assert len(held) == 2  # (a forced path prepares nothing)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
-        call(sparse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call(sparse)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, _graph = _captured_and_replayed(lambda: call(sparse))
     assert torch.equal(captured, chosen["gather"])
 
 
@@ -520,16 +528,7 @@ def test_inference_forward_on_uneven_lists(monkeypatch):
     monkeypatch.setenv("FLASH_DMATTN_SPARSE_PATH", "gather")
     assert torch.equal(call()[0], out)
     monkeypatch.delenv("FLASH_DMATTN_SPARSE_PATH")
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = call()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured, _graph = _captured_and_replayed(call)
     assert torch.equal(captured[0], out) and torch.equal(captured[1], lse)
     ref_out, ref_lse, _ = run_reference(case, is_causal=True)
     base_out, base_lse, _ = run_reference(case, upcast=False, is_causal=True)
